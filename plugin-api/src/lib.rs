@@ -1,1 +1,24 @@
-//! placeholder during bring-up
+//! The stable contract between dspec's engine and model families: the `TargetModel`
+//! trait, the KV cache, weight loading by HF tensor name, and the adapter registry.
+//!
+//! Built-in families (crate `dspec-adapters`) and external plugins implement these;
+//! the engine only ever talks to a `Box<dyn TargetModel>`.
+
+pub mod cache;
+pub mod conformance;
+pub mod error;
+pub mod registry;
+pub mod target;
+pub mod weights;
+
+pub use cache::{KvCache, ModelCache};
+pub use error::ModelError;
+pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
+pub use target::{ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel};
+pub use weights::{WeightSource, Weights};
+
+/// Re-exported so adapter crates and plugins submit registrations with the same
+/// `inventory` instance the engine collects from.
+pub use inventory;
+/// Re-exported so plugins use the exact mlx-rs version the host was built with.
+pub use mlx_rs;

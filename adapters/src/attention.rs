@@ -1,0 +1,129 @@
+//! Multi-head attention with grouped KV heads, shared by every family: optional q/k
+//! norms, biases, sliding windows, and score softcapping (which needs the unfused path).
+
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{arange, matmul, select, softmax_axis};
+use mlx_rs::Array;
+
+use dspec_plugin_api::error::Result;
+use dspec_plugin_api::{KvCache, WeightSource};
+
+use crate::layers::{softcap, Linear, NormWeight, RmsNorm, Rope};
+
+/// Shape and options of one attention layer.
+#[derive(Clone)]
+pub struct AttentionSpec {
+    pub hidden: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    /// Multiplier of q·k (usually head_dim^-½).
+    pub scale: f32,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// RMSNorm over head_dim on q and k (qwen3, gemma3), with its eps and weight style.
+    pub qk_norm: Option<(f32, NormWeight)>,
+    /// Keys older than this many positions are invisible to a query.
+    pub sliding_window: Option<i32>,
+    pub softcap: Option<f32>,
+    pub rope: Rope,
+}
+
+pub struct Attention {
+    spec: AttentionSpec,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+}
+
+/// Which keys each query may see: `[L, offset+L]` booleans, or `None` when every
+/// cached key is visible (one new token and no window cut).
+pub fn attention_mask(offset: i32, len: i32, window: Option<i32>) -> Result<Option<Array>> {
+    let total = offset + len;
+    let window_cuts = window.is_some_and(|w| total > w);
+    if len == 1 && !window_cuts {
+        return Ok(None);
+    }
+    let q_pos = arange::<_, i32>(offset, total, None)?.reshape(&[len, 1])?;
+    let k_pos = arange::<_, i32>(0, total, None)?.reshape(&[1, total])?;
+    let mut visible = k_pos.le(&q_pos)?;
+    if let Some(w) = window {
+        visible = visible.logical_and(&k_pos.gt(q_pos.subtract(Array::from_int(w))?)?)?;
+    }
+    Ok(Some(visible))
+}
+
+impl Attention {
+    pub fn load(w: &mut dyn WeightSource, prefix: &str, spec: AttentionSpec) -> Result<Self> {
+        let (h, hd) = (spec.hidden, spec.head_dim);
+        let q = Linear::load(w, &format!("{prefix}.q_proj"), h, spec.heads * hd, spec.qkv_bias)?;
+        let k = Linear::load(w, &format!("{prefix}.k_proj"), h, spec.kv_heads * hd, spec.qkv_bias)?;
+        let v = Linear::load(w, &format!("{prefix}.v_proj"), h, spec.kv_heads * hd, spec.qkv_bias)?;
+        let o = Linear::load(w, &format!("{prefix}.o_proj"), spec.heads * hd, h, spec.o_bias)?;
+        let (q_norm, k_norm) = match spec.qk_norm {
+            Some((eps, style)) => (
+                Some(RmsNorm::load(w, &format!("{prefix}.q_norm.weight"), hd, eps, style)?),
+                Some(RmsNorm::load(w, &format!("{prefix}.k_norm.weight"), hd, eps, style)?),
+            ),
+            None => (None, None),
+        };
+        Ok(Self { spec, q, k, v, o, q_norm, k_norm })
+    }
+
+    pub fn sliding_window(&self) -> Option<i32> {
+        self.spec.sliding_window
+    }
+
+    pub fn quantized_bits(&self) -> Option<i32> {
+        self.q.quantized_bits()
+    }
+
+    /// `x`: `[1, L, hidden]`; `mask` from [`attention_mask`] for this layer's window.
+    pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: Option<&Array>) -> Result<Array> {
+        let s = &self.spec;
+        let (b, len) = (x.shape()[0], x.shape()[1]);
+        let offset = cache.offset() as i32;
+        let heads = |y: Array, n: i32| -> Result<Array> { Ok(y.reshape(&[b, len, n, s.head_dim])?.transpose_axes(&[0, 2, 1, 3])?) };
+        let mut q = heads(self.q.forward(x)?, s.heads)?;
+        let mut k = heads(self.k.forward(x)?, s.kv_heads)?;
+        let v = heads(self.v.forward(x)?, s.kv_heads)?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let q = s.rope.forward(&q, offset)?;
+        let k = s.rope.forward(&k, offset)?;
+        let (keys, values) = cache.update_and_fetch(&k, &v)?;
+
+        let out = match s.softcap {
+            None => {
+                let mask = mask.map(ScaledDotProductAttentionMask::Array);
+                scaled_dot_product_attention(&q, &keys, &values, s.scale, mask, None)?
+            }
+            Some(cap) => self.softcapped_attention(&q, &keys, &values, mask, cap)?,
+        };
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, len, s.heads * s.head_dim])?;
+        self.o.forward(&out)
+    }
+
+    /// Explicit attention for score softcapping, which the fused kernel cannot do.
+    /// Query heads are grouped under their KV head instead of repeating keys.
+    fn softcapped_attention(&self, q: &Array, k: &Array, v: &Array, mask: Option<&Array>, cap: f32) -> Result<Array> {
+        let s = &self.spec;
+        let (b, len, total) = (q.shape()[0], q.shape()[2], k.shape()[2]);
+        let group = s.heads / s.kv_heads;
+        let q = q.multiply(Array::from_f32(s.scale).as_dtype(q.dtype())?)?.reshape(&[b, s.kv_heads, group, len, s.head_dim])?;
+        let k = k.reshape(&[b, s.kv_heads, 1, total, s.head_dim])?;
+        let v = v.reshape(&[b, s.kv_heads, 1, total, s.head_dim])?;
+        let mut scores = softcap(&matmul(&q, k.transpose_axes(&[0, 1, 2, 4, 3])?)?, cap)?;
+        if let Some(mask) = mask {
+            let hidden = Array::from_f32(f32::NEG_INFINITY).as_dtype(scores.dtype())?;
+            scores = select(mask, &scores, &hidden)?;
+        }
+        let probs = softmax_axis(&scores, -1, true)?;
+        Ok(matmul(&probs, &v)?.reshape(&[b, s.heads, len, s.head_dim])?)
+    }
+}

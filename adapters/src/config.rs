@@ -1,0 +1,189 @@
+//! config.json fields that most families share (HF names verbatim), and the one loading
+//! path every built-in family goes through once it has a [`DecoderSpec`].
+
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::weights::Weights;
+use dspec_plugin_api::{LoadRequest, TargetModel};
+
+use crate::transformer::{Decoder, DecoderSpec};
+
+fn default_eps() -> f32 {
+    1e-6
+}
+
+fn default_theta() -> f32 {
+    10_000.0
+}
+
+/// Fields common to llama-like configs. Families add their own next to it with
+/// `#[serde(flatten)]`; unknown keys are ignored.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CommonConfig {
+    pub vocab_size: i32,
+    pub hidden_size: i32,
+    pub intermediate_size: i32,
+    pub num_hidden_layers: i32,
+    pub num_attention_heads: i32,
+    pub num_key_value_heads: Option<i32>,
+    pub head_dim: Option<i32>,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f32,
+    #[serde(default)]
+    pub rope_scaling: serde_json::Value,
+    /// transformers ≥ 5 moves rope_theta and the scaling into one object.
+    #[serde(default)]
+    pub rope_parameters: serde_json::Value,
+    pub tie_word_embeddings: Option<bool>,
+    pub max_position_embeddings: Option<usize>,
+    pub hidden_act: Option<String>,
+    pub hidden_activation: Option<String>,
+    /// Per-layer attention kind ("full_attention" | "sliding_attention"), when given.
+    pub layer_types: Option<Vec<String>>,
+    pub sliding_window: Option<i32>,
+}
+
+impl CommonConfig {
+    pub fn head_dim(&self) -> i32 {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    pub fn kv_heads(&self) -> i32 {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Rope base and scaling object, from either the classic or the v5 layout.
+    pub fn rope(&self) -> (f32, serde_json::Value) {
+        if let Some(theta) = self.rope_parameters["rope_theta"].as_f64() {
+            return (theta as f32, self.rope_parameters.clone());
+        }
+        (self.rope_theta, self.rope_scaling.clone())
+    }
+
+    /// The activation name, whichever key the family used.
+    pub fn activation_name(&self, default: &str) -> String {
+        self.hidden_activation.clone().or_else(|| self.hidden_act.clone()).unwrap_or_else(|| default.to_string())
+    }
+
+    /// Whether layer `i` is a sliding-window layer according to `layer_types`, if present.
+    pub fn layer_is_sliding(&self, i: usize) -> Option<bool> {
+        self.layer_types.as_ref().and_then(|t| t.get(i)).map(|t| t == "sliding_attention")
+    }
+
+    /// Rejects shapes that would make the model meaningless before any tensor is read.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.kv_heads()),
+            ("head_dim", self.head_dim()),
+        ];
+        if let Some((name, value)) = positive.iter().find(|(_, v)| *v <= 0) {
+            return Err(ModelError::config(path, format!("`{name}` must be positive, got {value}")));
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return Err(ModelError::config(
+                path,
+                format!(
+                    "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                    self.num_attention_heads,
+                    self.kv_heads()
+                ),
+            ));
+        }
+        if let Some(types) = &self.layer_types {
+            if types.len() != self.num_hidden_layers as usize {
+                return Err(ModelError::config(
+                    path,
+                    format!("layer_types has {} entries for {} layers", types.len(), self.num_hidden_layers),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a family config from config.json's JSON, naming the file on failure.
+pub fn parse_config<T: DeserializeOwned>(config: &serde_json::Value, dir: &Path) -> Result<T> {
+    serde_json::from_value(config.clone())
+        .map_err(|e| ModelError::config(dir.join("config.json"), format!("unexpected contents: {e}")))
+}
+
+/// Opens the checkpoint's weights and builds the decoder described by `spec`.
+pub fn load_decoder(req: &LoadRequest, spec: DecoderSpec) -> Result<Box<dyn TargetModel>> {
+    let mut weights = ProgressWeights { inner: Weights::open(req.dir, req.options)?, progress: req.progress };
+    let model = Decoder::load(spec, &mut weights)?;
+    Ok(Box::new(model))
+}
+
+/// Forwards to [`Weights`] and reports progress as tensors are taken.
+struct ProgressWeights<'a> {
+    inner: Weights,
+    progress: &'a dyn Fn(usize, usize),
+}
+
+impl dspec_plugin_api::WeightSource for ProgressWeights<'_> {
+    fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<mlx_rs::Array> {
+        let t = self.inner.tensor(name, shape);
+        (self.progress)(self.inner.taken(), self.inner.total());
+        t
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+
+    fn raw(&mut self, name: &str) -> Result<mlx_rs::Array> {
+        let t = self.inner.raw(name);
+        (self.progress)(self.inner.taken(), self.inner.total());
+        t
+    }
+
+    fn options(&self) -> &dspec_plugin_api::LoadOptions {
+        self.inner.options()
+    }
+}
+
+/// A built-in decoder family's config mapping, registered next to its adapter so
+/// test fixtures can build random models of any family without a central list.
+pub struct DecoderFamily {
+    pub model_type: &'static str,
+    pub spec: fn(&serde_json::Value, &Path) -> Result<DecoderSpec>,
+}
+
+inventory::collect!(DecoderFamily);
+
+/// Registers a family whose model is the shared decoder: its adapter (loading through
+/// [`load_decoder`]) and its [`DecoderFamily`] entry.
+#[macro_export]
+macro_rules! decoder_family {
+    (name: $name:literal, model_types: [$($mt:literal),*], aliases: [$($alias:literal),*],
+     architectures: [$($arch:literal),*], spec: $spec:path $(,)?) => {
+        fn load_family(
+            req: &dspec_plugin_api::LoadRequest,
+        ) -> dspec_plugin_api::error::Result<Box<dyn dspec_plugin_api::TargetModel>> {
+            $crate::config::load_decoder(req, $spec(req.config, req.dir)?)
+        }
+        inventory::submit! {
+            dspec_plugin_api::AdapterRegistration {
+                name: $name,
+                model_types: &[$($mt),*],
+                aliases: &[$($alias),*],
+                architectures: &[$($arch),*],
+                load: load_family,
+            }
+        }
+        inventory::submit! {
+            $crate::config::DecoderFamily { model_type: $name, spec: $spec }
+        }
+    };
+}

@@ -1,0 +1,113 @@
+//! Gemma 3 (text): gemma2's sandwich norms plus (1 + w) RMSNorm on queries and keys;
+//! local (sliding) layers with their own rope base, a global layer every
+//! `sliding_window_pattern` layers with rope scaling. Also reads the text part of
+//! multimodal `gemma3` configs (`text_config`, `language_model.` tensor names).
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use dspec_plugin_api::error::Result;
+
+use crate::attention::AttentionSpec;
+use crate::config::{parse_config, CommonConfig};
+use crate::layers::{Activation, NormWeight, Rope};
+use crate::transformer::{DecoderSpec, NormLayout};
+
+fn default_pattern() -> usize {
+    6
+}
+
+fn default_local_base() -> f32 {
+    10_000.0
+}
+
+#[derive(Debug, Deserialize)]
+struct Gemma3TextConfig {
+    #[serde(flatten)]
+    common: CommonConfig,
+    #[serde(default)]
+    attention_bias: bool,
+    query_pre_attn_scalar: Option<f32>,
+    attn_logit_softcapping: Option<f32>,
+    final_logit_softcapping: Option<f32>,
+    #[serde(default = "default_pattern")]
+    sliding_window_pattern: usize,
+    #[serde(default = "default_local_base")]
+    rope_local_base_freq: f32,
+}
+
+fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
+    let (text, prefix) = match config.get("text_config") {
+        Some(text) => (text, "language_model.model."),
+        None => (config, "model."),
+    };
+    let cfg: Gemma3TextConfig = parse_config(text, dir)?;
+    let c = &cfg.common;
+    let path = dir.join("config.json");
+    c.validate(&path)?;
+    let (theta, scaling) = c.rope();
+    let global_rope = Rope::from_config(c.head_dim(), theta, &scaling, &path)?;
+    let local_rope = Rope::from_config(c.head_dim(), cfg.rope_local_base_freq, &serde_json::Value::Null, &path)?;
+    let scale = cfg.query_pre_attn_scalar.unwrap_or(c.head_dim() as f32).powf(-0.5);
+    let pattern = cfg.sliding_window_pattern.max(1);
+    let layers = (0..c.num_hidden_layers as usize)
+        .map(|i| {
+            let sliding = c.layer_is_sliding(i).unwrap_or((i + 1) % pattern != 0);
+            AttentionSpec {
+                hidden: c.hidden_size,
+                heads: c.num_attention_heads,
+                kv_heads: c.kv_heads(),
+                head_dim: c.head_dim(),
+                scale,
+                qkv_bias: cfg.attention_bias,
+                o_bias: cfg.attention_bias,
+                qk_norm: Some((c.rms_norm_eps, NormWeight::OffsetByOne)),
+                sliding_window: if sliding { c.sliding_window } else { None },
+                softcap: cfg.attn_logit_softcapping,
+                rope: if sliding { local_rope.clone() } else { global_rope.clone() },
+            }
+        })
+        .collect();
+    Ok(DecoderSpec {
+        model_type: "gemma3_text".into(),
+        prefix: prefix.into(),
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        rms_norm_eps: c.rms_norm_eps,
+        norm_weight: NormWeight::OffsetByOne,
+        norm_layout: NormLayout::Sandwich,
+        activation: Activation::from_name(&c.activation_name("gelu_pytorch_tanh"), &path)?,
+        mlp_bias: false,
+        embed_scale: Some((c.hidden_size as f32).sqrt()),
+        tie_word_embeddings: c.tie_word_embeddings.unwrap_or(true),
+        final_logit_softcap: cfg.final_logit_softcapping,
+        max_position_embeddings: c.max_position_embeddings,
+        layers,
+    })
+}
+
+crate::decoder_family! {
+    name: "gemma3_text",
+    model_types: ["gemma3_text"],
+    aliases: ["gemma3"],
+    architectures: ["Gemma3ForCausalLM"],
+    spec: spec,
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::fixtures::{check_family, with, TINY_LLAMA};
+
+    #[test]
+    fn tiny_gemma3_text_conforms() {
+        // Two layers with pattern 2: layer 0 local (window 5, own rope base), layer 1 global.
+        check_family(&with(
+            TINY_LLAMA,
+            r#"{"model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 5,
+                "sliding_window_pattern": 2, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0}}"#,
+        ));
+    }
+}

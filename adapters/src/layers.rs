@@ -1,0 +1,352 @@
+//! Building blocks shared by every family: linear and embedding layers (dense or
+//! MLX-quantized), RMSNorm, rotary embeddings with the HF scaling variants, gated MLPs.
+
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::{dequantize, matmul, quantize, quantized_matmul};
+use mlx_rs::{fast, nn, Array};
+
+use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::{Quantization, WeightSource};
+
+/// Quantized weight parts, as MLX's affine quantization stores them.
+struct Quantized {
+    weight: Array,
+    scales: Array,
+    biases: Array,
+    group_size: i32,
+    bits: i32,
+}
+
+/// Finds `prefix.{weight,scales,biases}` of a quantized layer and infers bits and group
+/// size from their shapes (a packed u32 row holds `32 / bits` values; one scale per group).
+fn load_quantized(w: &mut dyn WeightSource, prefix: &str, rows: i32, cols: i32) -> Result<Quantized> {
+    let weight = w.raw(&format!("{prefix}.weight"))?;
+    let scales = w.raw(&format!("{prefix}.scales"))?;
+    let biases = w.raw(&format!("{prefix}.biases"))?;
+    let (ws, ss) = (weight.shape().to_vec(), scales.shape().to_vec());
+    let bad = |expected: Vec<i32>, actual: Vec<i32>, part: &str| ModelError::ShapeMismatch {
+        name: format!("{prefix}.{part}"),
+        file: "(quantized checkpoint)".into(),
+        expected,
+        actual,
+    };
+    if ws.len() != 2 || ws[0] != rows || ss.len() != 2 || ss[0] != rows || ss[1] == 0 || biases.shape() != ss {
+        return Err(bad(vec![rows, -1], ws, "weight/scales/biases"));
+    }
+    let group_size = cols / ss[1];
+    let bits = ws[1] * 32 / cols;
+    if group_size * ss[1] != cols || bits * cols != ws[1] * 32 || ![2, 3, 4, 5, 6, 8].contains(&bits) {
+        return Err(bad(vec![rows, cols * 4 / 32], ws, "weight"));
+    }
+    let cast = |a: Array| -> Result<Array> {
+        match w.options().dtype {
+            Some(d) if d != a.dtype() => Ok(a.as_dtype(d)?),
+            _ => Ok(a),
+        }
+    };
+    let scales = cast(scales)?;
+    let biases = cast(biases)?;
+    Ok(Quantized { weight, scales, biases, group_size, bits })
+}
+
+/// Quantizes a dense `[rows, cols]` weight when the user asked for it and the width allows.
+fn maybe_quantize(weight: Array, quantize_to: Option<Quantization>) -> Result<std::result::Result<Quantized, Array>> {
+    match quantize_to {
+        Some(q) if weight.shape()[1] % q.group_size == 0 => {
+            let (w, scales, biases) = quantize(&weight, q.group_size, q.bits)?;
+            Ok(Ok(Quantized { weight: w, scales, biases, group_size: q.group_size, bits: q.bits }))
+        }
+        _ => Ok(Err(weight)),
+    }
+}
+
+enum LinearWeight {
+    /// Stored transposed (a free view) so forward is a plain matmul.
+    Dense { weight_t: Array },
+    Quantized(Quantized),
+}
+
+/// `y = x Wᵀ + b`.
+pub struct Linear {
+    weight: LinearWeight,
+    bias: Option<Array>,
+}
+
+impl Linear {
+    /// Loads `prefix.weight` (`[out, in]`), quantized or not, and `prefix.bias` when `bias`.
+    pub fn load(w: &mut dyn WeightSource, prefix: &str, in_dim: i32, out_dim: i32, bias: bool) -> Result<Self> {
+        let weight = if w.contains(&format!("{prefix}.scales")) {
+            LinearWeight::Quantized(load_quantized(w, prefix, out_dim, in_dim)?)
+        } else {
+            let dense = w.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+            match maybe_quantize(dense, w.options().quantize)? {
+                Ok(q) => LinearWeight::Quantized(q),
+                Err(dense) => LinearWeight::Dense { weight_t: dense.t() },
+            }
+        };
+        let bias = if bias { Some(w.tensor(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
+        Ok(Self { weight, bias })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match &self.weight {
+            LinearWeight::Dense { weight_t } => matmul(x, weight_t)?,
+            LinearWeight::Quantized(q) => {
+                quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, q.group_size, q.bits)?
+            }
+        };
+        match &self.bias {
+            Some(b) => Ok(y.add(b)?),
+            None => Ok(y),
+        }
+    }
+
+    pub fn quantized_bits(&self) -> Option<i32> {
+        match &self.weight {
+            LinearWeight::Quantized(q) => Some(q.bits),
+            LinearWeight::Dense { .. } => None,
+        }
+    }
+}
+
+/// Token embedding table, usable as the output head when embeddings are tied.
+pub struct Embedding {
+    table: std::result::Result<Quantized, Array>,
+}
+
+impl Embedding {
+    pub fn load(w: &mut dyn WeightSource, prefix: &str, vocab: i32, hidden: i32) -> Result<Self> {
+        let table = if w.contains(&format!("{prefix}.scales")) {
+            Ok(load_quantized(w, prefix, vocab, hidden)?)
+        } else {
+            let dense = w.tensor(&format!("{prefix}.weight"), &[vocab, hidden])?;
+            maybe_quantize(dense, w.options().quantize)?
+        };
+        Ok(Self { table })
+    }
+
+    /// `[..] ids -> [.., hidden]`.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        match &self.table {
+            Err(dense) => Ok(dense.take_axis(ids, 0)?),
+            Ok(q) => {
+                let rows = |a: &Array| a.take_axis(ids, 0);
+                Ok(dequantize(rows(&q.weight)?, rows(&q.scales)?, &rows(&q.biases)?, q.group_size, q.bits)?)
+            }
+        }
+    }
+
+    /// `x Eᵀ`: logits through the embedding table (tied heads).
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        match &self.table {
+            Err(dense) => Ok(matmul(x, dense.t())?),
+            Ok(q) => Ok(quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, q.group_size, q.bits)?),
+        }
+    }
+
+    pub fn dtype(&self) -> mlx_rs::Dtype {
+        match &self.table {
+            Err(dense) => dense.dtype(),
+            Ok(q) => q.scales.dtype(),
+        }
+    }
+}
+
+/// How a family stores its RMSNorm scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormWeight {
+    /// `x̂ · w` (llama, qwen, mistral).
+    Plain,
+    /// `x̂ · (1 + w)` (gemma family); folded into the weight once at load.
+    OffsetByOne,
+}
+
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(w: &mut dyn WeightSource, name: &str, dim: i32, eps: f32, style: NormWeight) -> Result<Self> {
+        let weight = w.tensor(name, &[dim])?;
+        let weight = match style {
+            NormWeight::Plain => weight,
+            NormWeight::OffsetByOne => weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?,
+        };
+        Ok(Self { weight, eps })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+}
+
+/// Rotary position embedding of one attention layer (HF's non-interleaved layout).
+#[derive(Clone)]
+pub struct Rope {
+    dims: i32,
+    base: Option<f32>,
+    scale: f32,
+    /// Per-pair periods when a scaling scheme reshapes the spectrum (llama3, yarn).
+    freqs: Option<Array>,
+    /// Yarn's attention temperature, applied to the rotated part of q and k.
+    mscale: f32,
+}
+
+impl Rope {
+    /// Builds the rotary embedding from `rope_theta` and an HF `rope_scaling` object
+    /// (`null`, or `{"rope_type"|"type": "default"|"linear"|"llama3"|"yarn", ...}`).
+    pub fn from_config(dims: i32, base: f32, scaling: &serde_json::Value, config_path: &std::path::Path) -> Result<Self> {
+        let plain = Rope { dims, base: Some(base), scale: 1.0, freqs: None, mscale: 1.0 };
+        if scaling.is_null() {
+            return Ok(plain);
+        }
+        let kind = scaling["rope_type"].as_str().or(scaling["type"].as_str()).unwrap_or("default");
+        let num = |key: &str| scaling[key].as_f64();
+        let need = |key: &str| {
+            num(key).ok_or_else(|| ModelError::config(config_path, format!("rope_scaling ({kind}) needs `{key}`")))
+        };
+        let half = (dims / 2) as usize;
+        // Period of pair i in the unscaled embedding: base^(2i/dims) (MLX's `freqs` are periods).
+        let periods: Vec<f64> = (0..half).map(|i| (base as f64).powf(2.0 * i as f64 / dims as f64)).collect();
+        match kind {
+            "default" => Ok(plain),
+            "linear" => Ok(Rope { scale: 1.0 / need("factor")? as f32, ..plain }),
+            "llama3" => {
+                let factor = need("factor")?;
+                let low = num("low_freq_factor").unwrap_or(1.0);
+                let high = num("high_freq_factor").unwrap_or(4.0);
+                let original = need("original_max_position_embeddings")?;
+                let low_wavelen = original / low;
+                let high_wavelen = original / high;
+                let adjusted: Vec<f32> = periods
+                    .iter()
+                    .map(|&p| {
+                        let wavelen = 2.0 * std::f64::consts::PI * p;
+                        if wavelen < high_wavelen {
+                            p
+                        } else if wavelen > low_wavelen {
+                            p * factor
+                        } else {
+                            // Interpolate the inverse frequency between scaled and unscaled.
+                            let smooth = (original / wavelen - low) / (high - low);
+                            1.0 / ((1.0 - smooth) / (factor * p) + smooth / p)
+                        }
+                    })
+                    .map(|p| p as f32)
+                    .collect();
+                Ok(Rope { base: None, freqs: Some(Array::from_slice(&adjusted, &[half as i32])), ..plain })
+            }
+            "yarn" => {
+                let factor = need("factor")?;
+                let original = num("original_max_position_embeddings").unwrap_or(4096.0);
+                let beta_fast = num("beta_fast").unwrap_or(32.0);
+                let beta_slow = num("beta_slow").unwrap_or(1.0);
+                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let mscale = match num("attention_factor") {
+                    Some(f) => f,
+                    None => match (num("mscale"), num("mscale_all_dim")) {
+                        (Some(m), Some(all)) => get_mscale(factor, m) / get_mscale(factor, all),
+                        (Some(m), None) => get_mscale(factor, m),
+                        _ => get_mscale(factor, 1.0),
+                    },
+                };
+                // Pair index at which a given number of rotations fits the original context.
+                let correction = |rotations: f64| {
+                    dims as f64 * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * (base as f64).ln())
+                };
+                let low = correction(beta_fast).floor().max(0.0);
+                let high = correction(beta_slow).ceil().min(dims as f64 - 1.0);
+                let span = if high == low { 0.001 } else { high - low };
+                let adjusted: Vec<f32> = periods
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| {
+                        // 1 → keep the original frequency (extrapolate), 0 → interpolate.
+                        let extrapolate = 1.0 - ((i as f64 - low) / span).clamp(0.0, 1.0);
+                        let inv = (1.0 / p) * extrapolate + (1.0 / (p * factor)) * (1.0 - extrapolate);
+                        (1.0 / inv) as f32
+                    })
+                    .collect();
+                Ok(Rope {
+                    base: None,
+                    freqs: Some(Array::from_slice(&adjusted, &[half as i32])),
+                    mscale: mscale as f32,
+                    ..plain
+                })
+            }
+            other => Err(ModelError::config(
+                config_path,
+                format!("rope_scaling type `{other}` is not supported (supported: default, linear, llama3, yarn)"),
+            )),
+        }
+    }
+
+    /// Rotates `x` (`[B, H, L, D]`) for positions `offset..offset+L`.
+    pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        let x = if self.mscale != 1.0 { x.multiply(Array::from_f32(self.mscale).as_dtype(x.dtype())?)? } else { x.clone() };
+        Ok(fast::rope(&x, self.dims, false, self.base, self.scale, offset, self.freqs.as_ref())?)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// GELU with the tanh approximation (HF `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    pub fn from_name(name: &str, config_path: &std::path::Path) -> Result<Self> {
+        match name {
+            "silu" | "swish" => Ok(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu" => Ok(Activation::GeluTanh),
+            other => Err(ModelError::config(
+                config_path,
+                format!("activation `{other}` is not supported (supported: silu, gelu_pytorch_tanh)"),
+            )),
+        }
+    }
+
+    fn apply(self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Activation::Silu => nn::silu(x)?,
+            Activation::GeluTanh => nn::gelu_approximate(x)?,
+        })
+    }
+}
+
+/// `down(act(gate(x)) · up(x))`.
+pub struct GatedMlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    act: Activation,
+}
+
+impl GatedMlp {
+    pub fn load(w: &mut dyn WeightSource, prefix: &str, hidden: i32, inner: i32, bias: bool, act: Activation) -> Result<Self> {
+        Ok(Self {
+            gate: Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inner, bias)?,
+            up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inner, bias)?,
+            down: Linear::load(w, &format!("{prefix}.down_proj"), inner, hidden, bias)?,
+            act,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let gated = self.act.apply(&self.gate.forward(x)?)?.multiply(self.up.forward(x)?)?;
+        self.down.forward(&gated)
+    }
+}
+
+/// `tanh(x / cap) · cap`: bounds logits smoothly (gemma2 attention and output).
+pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
+    let c = Array::from_f32(cap).as_dtype(x.dtype())?;
+    Ok(mlx_rs::ops::tanh(x.divide(&c)?)?.multiply(&c)?)
+}
+
+/// Positions `[start, end)` of the sequence axis (axis 2 of `[B, H, L, D]`).
+pub fn seq_slice(x: &Array, start: i32, end: i32) -> Result<Array> {
+    Ok(x.try_index((.., .., start..end))?)
+}

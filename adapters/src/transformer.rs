@@ -1,0 +1,208 @@
+//! The decoder-only transformer every built-in family is an instance of: family files
+//! turn their config.json into a [`DecoderSpec`]; this file builds and runs it.
+
+use std::collections::HashMap;
+
+use mlx_rs::ops::concatenate;
+use mlx_rs::{Array, Dtype};
+
+use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
+
+use crate::attention::{attention_mask, Attention, AttentionSpec};
+use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
+
+/// Where the norms sit around each sub-block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormLayout {
+    /// `x + attn(norm(x))`, `h + mlp(norm(h))` (llama, qwen, mistral, gemma).
+    PreNorm,
+    /// Norms before and after each sub-block (gemma2, gemma3): `x + norm(attn(norm(x)))`.
+    Sandwich,
+}
+
+/// Everything needed to build a model, derived from config.json by a family file.
+pub struct DecoderSpec {
+    pub model_type: String,
+    /// Tensor name prefix of the decoder (`model.` in HF checkpoints).
+    pub prefix: String,
+    pub vocab_size: i32,
+    pub hidden_size: i32,
+    pub intermediate_size: i32,
+    pub rms_norm_eps: f32,
+    pub norm_weight: NormWeight,
+    pub norm_layout: NormLayout,
+    pub activation: Activation,
+    pub mlp_bias: bool,
+    /// Multiplies token embeddings (gemma: √hidden, rounded to the activation dtype).
+    pub embed_scale: Option<f32>,
+    pub tie_word_embeddings: bool,
+    pub final_logit_softcap: Option<f32>,
+    pub max_position_embeddings: Option<usize>,
+    /// One entry per decoder layer.
+    pub layers: Vec<AttentionSpec>,
+}
+
+struct DecoderLayer {
+    attn: Attention,
+    mlp: GatedMlp,
+    input_norm: RmsNorm,
+    post_attn_norm: RmsNorm,
+    /// Sandwich layout only: norm before the MLP and after it.
+    ffn_norms: Option<(RmsNorm, RmsNorm)>,
+}
+
+impl DecoderLayer {
+    fn forward(&self, x: &Array, cache: &mut dspec_plugin_api::KvCache, mask: Option<&Array>) -> Result<Array> {
+        match &self.ffn_norms {
+            None => {
+                let h = x.add(self.attn.forward(&self.input_norm.forward(x)?, cache, mask)?)?;
+                Ok(h.add(self.mlp.forward(&self.post_attn_norm.forward(&h)?)?)?)
+            }
+            Some((pre_ffn, post_ffn)) => {
+                let attn = self.attn.forward(&self.input_norm.forward(x)?, cache, mask)?;
+                let h = x.add(self.post_attn_norm.forward(&attn)?)?;
+                let mlp = self.mlp.forward(&pre_ffn.forward(&h)?)?;
+                Ok(h.add(post_ffn.forward(&mlp)?)?)
+            }
+        }
+    }
+}
+
+pub struct Decoder {
+    info: ModelInfo,
+    embed: Embedding,
+    embed_scale: Option<f32>,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `None`: tied to the embedding.
+    lm_head: Option<Linear>,
+    final_logit_softcap: Option<f32>,
+}
+
+impl Decoder {
+    pub fn load(spec: DecoderSpec, w: &mut dyn WeightSource) -> Result<Self> {
+        let p = &spec.prefix;
+        let (h, eps, style) = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight);
+        let embed = Embedding::load(w, &format!("{p}embed_tokens"), spec.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for (i, attn_spec) in spec.layers.iter().enumerate() {
+            let lp = format!("{p}layers.{i}");
+            let norm = |w: &mut dyn WeightSource, name: &str| RmsNorm::load(w, &format!("{lp}.{name}.weight"), h, eps, style);
+            let input_norm = norm(w, "input_layernorm")?;
+            let attn = Attention::load(w, &format!("{lp}.self_attn"), attn_spec.clone())?;
+            let post_attn_norm = norm(w, "post_attention_layernorm")?;
+            let ffn_norms = match spec.norm_layout {
+                NormLayout::PreNorm => None,
+                NormLayout::Sandwich => {
+                    Some((norm(w, "pre_feedforward_layernorm")?, norm(w, "post_feedforward_layernorm")?))
+                }
+            };
+            let mlp = GatedMlp::load(w, &format!("{lp}.mlp"), h, spec.intermediate_size, spec.mlp_bias, spec.activation)?;
+            layers.push(DecoderLayer { attn, mlp, input_norm, post_attn_norm, ffn_norms });
+        }
+        let norm = RmsNorm::load(w, &format!("{p}norm.weight"), h, eps, style)?;
+        // Some checkpoints ship an lm_head even when tied; an untied config requires one.
+        let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
+            None
+        } else {
+            Some(Linear::load(w, "lm_head", h, spec.vocab_size, false)?)
+        };
+        let info = ModelInfo {
+            model_type: spec.model_type.clone(),
+            num_layers: layers.len(),
+            hidden_size: h as usize,
+            vocab_size: spec.vocab_size as usize,
+            dtype: embed.dtype(),
+            quantized_bits: layers.first().and_then(|l| l.attn.quantized_bits()),
+            max_context: spec.max_position_embeddings,
+        };
+        Ok(Self {
+            info,
+            embed,
+            embed_scale: spec.embed_scale,
+            layers,
+            norm,
+            lm_head,
+            final_logit_softcap: spec.final_logit_softcap,
+        })
+    }
+}
+
+fn check_tokens(tokens: &Array) -> Result<()> {
+    if tokens.ndim() != 2 || tokens.shape()[0] != 1 || tokens.shape()[1] == 0 {
+        return Err(ModelError::Unsupported(format!("forward expects tokens of shape [1, L>0], got {:?}", tokens.shape())));
+    }
+    if !matches!(tokens.dtype(), Dtype::Int32 | Dtype::Uint32 | Dtype::Int64 | Dtype::Uint64) {
+        return Err(ModelError::Unsupported(format!("token ids must be integers, got {:?}", tokens.dtype())));
+    }
+    Ok(())
+}
+
+impl TargetModel for Decoder {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_cache(&self) -> ModelCache {
+        ModelCache::new(self.layers.len())
+    }
+
+    fn forward(&self, tokens: &Array, cache: &mut ModelCache, taps: &[usize]) -> Result<ForwardOutput> {
+        check_tokens(tokens)?;
+        if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(ModelError::Unsupported(format!("tap layer {bad} out of range: the model has {} layers", self.layers.len())));
+        }
+        if cache.layers.len() != self.layers.len() {
+            return Err(ModelError::Unsupported("cache was made for a different model".into()));
+        }
+        let len = tokens.shape()[1];
+        let offset = cache.offset() as i32;
+        // One mask per distinct window, shared by the layers that use it.
+        let mut masks: HashMap<Option<i32>, Option<Array>> = HashMap::new();
+        let mut h = self.embed(tokens)?;
+        let mut captured: Vec<(usize, Array)> = Vec::with_capacity(taps.len());
+        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let window = layer.attn.sliding_window();
+            if !masks.contains_key(&window) {
+                masks.insert(window, attention_mask(offset, len, window)?);
+            }
+            h = layer.forward(&h, layer_cache, masks[&window].as_ref())?;
+            if taps.contains(&i) {
+                captured.push((i, h.clone()));
+            }
+        }
+        let logits = self.lm_head(&self.final_norm(&h)?)?;
+        let hidden = if taps.is_empty() {
+            None
+        } else {
+            let ordered: Vec<&Array> =
+                taps.iter().filter_map(|t| captured.iter().find(|(i, _)| i == t).map(|(_, a)| a)).collect();
+            Some(concatenate(&ordered, -1)?)
+        };
+        Ok(ForwardOutput { logits, hidden })
+    }
+
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        let x = self.embed.forward(tokens)?;
+        match self.embed_scale {
+            Some(scale) => Ok(x.multiply(Array::from_f32(scale).as_dtype(x.dtype())?)?),
+            None => Ok(x),
+        }
+    }
+
+    fn lm_head(&self, hidden: &Array) -> Result<Array> {
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(hidden)?,
+            None => self.embed.as_linear(hidden)?,
+        };
+        match self.final_logit_softcap {
+            Some(cap) => softcap(&logits, cap),
+            None => Ok(logits),
+        }
+    }
+
+    fn final_norm(&self, hidden: &Array) -> Result<Array> {
+        self.norm.forward(hidden)
+    }
+}
