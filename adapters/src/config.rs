@@ -133,9 +133,12 @@ struct ProgressWeights<'a> {
 
 impl dspec_plugin_api::WeightSource for ProgressWeights<'_> {
     fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<mlx_rs::Array> {
-        let t = self.inner.tensor(name, shape);
+        let t = self.inner.tensor(name, shape)?;
+        // MLX reads lazily; evaluating here makes progress reflect the real I/O and
+        // frees the checkpoint-dtype copy as soon as a cast tensor exists.
+        t.eval()?;
         (self.progress)(self.inner.taken(), self.inner.total());
-        t
+        Ok(t)
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -143,9 +146,10 @@ impl dspec_plugin_api::WeightSource for ProgressWeights<'_> {
     }
 
     fn raw(&mut self, name: &str) -> Result<mlx_rs::Array> {
-        let t = self.inner.raw(name);
+        let t = self.inner.raw(name)?;
+        t.eval()?;
         (self.progress)(self.inner.taken(), self.inner.total());
-        t
+        Ok(t)
     }
 
     fn options(&self) -> &dspec_plugin_api::LoadOptions {
