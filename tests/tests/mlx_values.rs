@@ -39,7 +39,10 @@ fn assert_all_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
         .zip(want)
         .map(|(&g, &w)| (f64::from(g) - w).abs())
         .enumerate()
-        .fold((0, 0.0f64), |acc, (i, e)| if e > acc.1 { (i, e) } else { acc });
+        .fold(
+            (0, 0.0f64),
+            |acc, (i, e)| if e > acc.1 { (i, e) } else { acc },
+        );
     assert!(
         err <= tol,
         "{what}: max |mlx - naive| = {err:e} > {tol:e} at flat index {worst} (mlx {}, naive {})",
@@ -104,7 +107,10 @@ fn f16_round_trip_is_bit_exact() {
 
     let whole: Vec<u16> = a.as_slice::<f16>().iter().map(|v| v.to_bits()).collect();
     let want: Vec<u16> = vals.iter().map(|v| v.to_bits()).collect();
-    assert_eq!(whole, want, "as_slice::<f16>() bits differ from what was stored");
+    assert_eq!(
+        whole, want,
+        "as_slice::<f16>() bits differ from what was stored"
+    );
 
     for (i, v) in vals.iter().enumerate() {
         let got = a.index(i as i32).item_exact::<f16>();
@@ -137,7 +143,10 @@ fn bf16_round_trip_is_bit_exact() {
 
     let whole: Vec<u16> = a.as_slice::<bf16>().iter().map(|v| v.to_bits()).collect();
     let want: Vec<u16> = vals.iter().map(|v| v.to_bits()).collect();
-    assert_eq!(whole, want, "as_slice::<bf16>() bits differ from what was stored");
+    assert_eq!(
+        whole, want,
+        "as_slice::<bf16>() bits differ from what was stored"
+    );
 
     for (i, v) in vals.iter().enumerate() {
         let (r, c) = (i as i32 / 5, i as i32 % 5);
@@ -165,7 +174,7 @@ fn rounding_probe_f32() -> Vec<f32> {
         -1.0e-3,
         1.0e30,
         -3.3e38,
-        1.0e-6,                     // subnormal in f16
+        1.0e-6,                      // subnormal in f16
         f32::from_bits(0x0000_0001), // f32 subnormal
         0.0,
         -0.0,
@@ -182,13 +191,21 @@ fn f32_to_bf16_cast_rounds_to_nearest_even() {
 
     for (how, cast) in [
         ("as_type::<bf16>()", a.as_type::<bf16>().expect("as_type")),
-        ("as_dtype(Bfloat16)", a.as_dtype(Dtype::Bfloat16).expect("as_dtype")),
+        (
+            "as_dtype(Bfloat16)",
+            a.as_dtype(Dtype::Bfloat16).expect("as_dtype"),
+        ),
     ] {
         assert_eq!(cast.dtype(), Dtype::Bfloat16, "{how}: dtype");
-        let got: Vec<u16> = cast.as_slice::<bf16>().iter().map(|v| v.to_bits()).collect();
+        let got: Vec<u16> = cast
+            .as_slice::<bf16>()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(
-                g, w,
+                g,
+                w,
                 "{how} of {:e} ({:#010x}): mlx {g:#06x}, half::bf16::from_f32 {w:#06x}",
                 src[i],
                 src[i].to_bits()
@@ -197,8 +214,13 @@ fn f32_to_bf16_cast_rounds_to_nearest_even() {
     }
 
     // NaN must stay NaN (payload bits are implementation-defined, so only the class is checked).
-    let nan = Array::from_slice(&[f32::NAN], &[1]).as_type::<bf16>().expect("as_type NaN");
-    assert!(nan.as_slice::<bf16>()[0].is_nan(), "f32 NaN cast to bf16 is not NaN");
+    let nan = Array::from_slice(&[f32::NAN], &[1])
+        .as_type::<bf16>()
+        .expect("as_type NaN");
+    assert!(
+        nan.as_slice::<bf16>()[0].is_nan(),
+        "f32 NaN cast to bf16 is not NaN"
+    );
 }
 
 #[test]
@@ -281,7 +303,8 @@ fn rope_matches_naive() {
 
     for traditional in [false, true] {
         for dims in [8usize, 4] {
-            let what = format!("rope(dims {dims} of 8, traditional {traditional}, offset {offset})");
+            let what =
+                format!("rope(dims {dims} of 8, traditional {traditional}, offset {offset})");
             let y = fast::rope(&x, dims as i32, traditional, base, 1.0, offset as i32, None)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             let got = f32_values(&y, &shape_i32, &what);
@@ -326,8 +349,11 @@ fn naive_sdpa(
                 let mut scores: Vec<f64> = (0..lk)
                     .map(|j| {
                         let kj = &k[((b * n_kv + kvh) * lk + j) * d..][..d];
-                        let dot: f64 =
-                            qi.iter().zip(kj).map(|(&a, &c)| f64::from(a) * f64::from(c)).sum();
+                        let dot: f64 = qi
+                            .iter()
+                            .zip(kj)
+                            .map(|(&a, &c)| f64::from(a) * f64::from(c))
+                            .sum();
                         let bias = match mask {
                             NaiveMask::None => 0.0,
                             NaiveMask::CausalBottomRight if j > i + (lk - lq) => f64::NEG_INFINITY,
@@ -364,14 +390,34 @@ fn sdpa_matches_naive_with_gqa_and_masks() {
     for (case, (lq, lk)) in [(5usize, 5usize), (3, 6), (1, 6)].into_iter().enumerate() {
         let salt = 10 + 3 * case as u32;
         // Scaled up so the softmax is far from uniform and masking visibly matters.
-        let q_vals: Vec<f32> = pseudo(b_len * n_heads * lq * d, salt).iter().map(|v| v * 2.0).collect();
-        let k_vals: Vec<f32> = pseudo(b_len * n_kv * lk * d, salt + 1).iter().map(|v| v * 2.0).collect();
+        let q_vals: Vec<f32> = pseudo(b_len * n_heads * lq * d, salt)
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        let k_vals: Vec<f32> = pseudo(b_len * n_kv * lk * d, salt + 1)
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
         let v_vals = pseudo(b_len * n_kv * lk * d, salt + 2);
-        let q = Array::from_slice(&q_vals, &[b_len as i32, n_heads as i32, lq as i32, d as i32]);
+        let q = Array::from_slice(
+            &q_vals,
+            &[b_len as i32, n_heads as i32, lq as i32, d as i32],
+        );
         let k = Array::from_slice(&k_vals, &[b_len as i32, n_kv as i32, lk as i32, d as i32]);
         let v = Array::from_slice(&v_vals, &[b_len as i32, n_kv as i32, lk as i32, d as i32]);
         let out_shape = [b_len as i32, n_heads as i32, lq as i32, d as i32];
-        let naive = |mask| naive_sdpa(&q_vals, &k_vals, &v_vals, dims, lq, lk, f64::from(scale), mask);
+        let naive = |mask| {
+            naive_sdpa(
+                &q_vals,
+                &k_vals,
+                &v_vals,
+                dims,
+                lq,
+                lk,
+                f64::from(scale),
+                mask,
+            )
+        };
         let run = |what: &str, mask: Option<ScaledDotProductAttentionMask>| {
             let o = fast::scaled_dot_product_attention(&q, &k, &v, scale, mask, None)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -389,16 +435,27 @@ fn sdpa_matches_naive_with_gqa_and_masks() {
         let bottom_right = naive(NaiveMask::CausalBottomRight);
         if lq < lk {
             let top_left = naive(NaiveMask::CausalTopLeft);
-            let differs = got.iter().zip(&top_left).any(|(&g, &t)| (f64::from(g) - t).abs() > 1e-3);
-            assert!(differs, "{what}: output equals the TOP-LEFT aligned causal reference");
+            let differs = got
+                .iter()
+                .zip(&top_left)
+                .any(|(&g, &t)| (f64::from(g) - t).abs() > 1e-3);
+            assert!(
+                differs,
+                "{what}: output equals the TOP-LEFT aligned causal reference"
+            );
         }
         assert_all_close(&what, &got, &bottom_right, 1e-4);
 
         // Boolean array mask [L_q, L_k] (true = attend), built here, broadcast over B and H.
-        let keep: Vec<bool> = (0..lq * lk).map(|idx| idx % lk <= idx / lk + (lk - lq)).collect();
+        let keep: Vec<bool> = (0..lq * lk)
+            .map(|idx| idx % lk <= idx / lk + (lk - lq))
+            .collect();
         let bool_mask = Array::from_slice(&keep, &[lq as i32, lk as i32]);
         let what = format!("sdpa L_q {lq} L_k {lk}, boolean causal array mask");
-        let got = run(&what, Some(ScaledDotProductAttentionMask::Array(&bool_mask)));
+        let got = run(
+            &what,
+            Some(ScaledDotProductAttentionMask::Array(&bool_mask)),
+        );
         assert_all_close(&what, &got, &bottom_right, 1e-4);
 
         // Additive float mask: arbitrary finite biases plus -inf on the causal-masked entries,
@@ -432,17 +489,30 @@ fn seeded_random_is_reproducible() {
     let first = draw();
     random::seed(42).expect("seed 42 again");
     let second = draw();
-    assert_eq!(first, second, "same global seed gave different normal/uniform draws");
+    assert_eq!(
+        first, second,
+        "same global seed gave different normal/uniform draws"
+    );
 
     random::seed(43).expect("seed 43");
     let other = draw();
-    assert_ne!(first.0, other.0, "seeds 42 and 43 gave identical normal draws");
-    assert_ne!(first.1, other.1, "seeds 42 and 43 gave identical uniform draws");
+    assert_ne!(
+        first.0, other.0,
+        "seeds 42 and 43 gave identical normal draws"
+    );
+    assert_ne!(
+        first.1, other.1,
+        "seeds 42 and 43 gave identical uniform draws"
+    );
 
     // Consecutive draws after one seed advance the state rather than repeating.
     random::seed(42).expect("seed 42 third time");
     let _ = draw();
-    assert_ne!(draw(), first, "second draw after seeding repeated the first");
+    assert_ne!(
+        draw(),
+        first,
+        "second draw after seeding repeated the first"
+    );
 }
 
 #[test]
@@ -451,22 +521,47 @@ fn explicit_random_keys_are_reproducible() {
     let k7 = random::key(7).expect("key 7");
     let k7_again = random::key(7).expect("key 7 again");
     let k8 = random::key(8).expect("key 8");
-    let normal = |key: &Array| bits_f32(&random::normal::<f32>(&shape, None, None, key).expect("normal"));
+    let normal =
+        |key: &Array| bits_f32(&random::normal::<f32>(&shape, None, None, key).expect("normal"));
     let uniform = |key: &Array| {
         bits_f32(&random::uniform::<_, f32>(-1.0f32, 1.0f32, &shape, key).expect("uniform"))
     };
 
-    assert_eq!(normal(&k7), normal(&k7), "normal with the same key object differs");
-    assert_eq!(normal(&k7), normal(&k7_again), "normal with key(7) twice differs");
-    assert_eq!(uniform(&k7), uniform(&k7_again), "uniform with key(7) twice differs");
-    assert_ne!(normal(&k7), normal(&k8), "keys 7 and 8 gave identical normal draws");
-    assert_ne!(uniform(&k7), uniform(&k8), "keys 7 and 8 gave identical uniform draws");
+    assert_eq!(
+        normal(&k7),
+        normal(&k7),
+        "normal with the same key object differs"
+    );
+    assert_eq!(
+        normal(&k7),
+        normal(&k7_again),
+        "normal with key(7) twice differs"
+    );
+    assert_eq!(
+        uniform(&k7),
+        uniform(&k7_again),
+        "uniform with key(7) twice differs"
+    );
+    assert_ne!(
+        normal(&k7),
+        normal(&k8),
+        "keys 7 and 8 gave identical normal draws"
+    );
+    assert_ne!(
+        uniform(&k7),
+        uniform(&k8),
+        "keys 7 and 8 gave identical uniform draws"
+    );
 
     // A key does not touch the global state: seeding then drawing with a key is key-only.
     random::seed(1).expect("seed 1");
     let with_seed_1 = normal(&k7);
     random::seed(2).expect("seed 2");
-    assert_eq!(with_seed_1, normal(&k7), "explicit-key draw depended on the global seed");
+    assert_eq!(
+        with_seed_1,
+        normal(&k7),
+        "explicit-key draw depended on the global seed"
+    );
 }
 
 #[test]
@@ -480,21 +575,38 @@ fn random_distributions_have_expected_range_and_moments() {
     assert_eq!(out, 0, "{out} uniform samples outside [0, 1)");
     // Std of the mean of 10k U(0,1) samples is ~0.0029; 0.02 is about 7 sigma.
     let mean = u.iter().map(|&v| f64::from(v)).sum::<f64>() / N as f64;
-    assert!((mean - 0.5).abs() < 0.02, "uniform [0,1) mean {mean}, expected ~0.5");
+    assert!(
+        (mean - 0.5).abs() < 0.02,
+        "uniform [0,1) mean {mean}, expected ~0.5"
+    );
 
     let w = random::uniform::<_, f32>(-3.0f32, 5.0f32, &[N as i32], &key).expect("uniform");
     let w = f32_values(&w, &[N as i32], "uniform [-3,5)");
     let out = w.iter().filter(|v| !(-3.0..5.0).contains(*v)).count();
     assert_eq!(out, 0, "{out} uniform samples outside [-3, 5)");
     let mean = w.iter().map(|&v| f64::from(v)).sum::<f64>() / N as f64;
-    assert!((mean - 1.0).abs() < 0.16, "uniform [-3,5) mean {mean}, expected ~1.0");
+    assert!(
+        (mean - 1.0).abs() < 0.16,
+        "uniform [-3,5) mean {mean}, expected ~1.0"
+    );
 
     let n = random::normal::<f32>(&[N as i32], None, None, &key).expect("normal");
     let n = f32_values(&n, &[N as i32], "normal");
     let mean = n.iter().map(|&v| f64::from(v)).sum::<f64>() / N as f64;
-    let var = n.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / N as f64;
-    assert!(mean.abs() < 0.05, "standard normal mean {mean}, expected ~0");
-    assert!((var.sqrt() - 1.0).abs() < 0.05, "standard normal std {}, expected ~1", var.sqrt());
+    let var = n
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum::<f64>()
+        / N as f64;
+    assert!(
+        mean.abs() < 0.05,
+        "standard normal mean {mean}, expected ~0"
+    );
+    assert!(
+        (var.sqrt() - 1.0).abs() < 0.05,
+        "standard normal std {}, expected ~1",
+        var.sqrt()
+    );
 }
 
 #[test]
@@ -502,7 +614,12 @@ fn safetensors_round_trip_keeps_bits_dtype_and_shape() {
     let bf_vals: Vec<bf16> = pseudo(12, 20)
         .iter()
         .map(|&v| bf16::from_f32(v * 1000.0))
-        .chain([bf16::from_bits(0x0001), bf16::NEG_ZERO, bf16::MAX, bf16::from_f32(-1.5)])
+        .chain([
+            bf16::from_bits(0x0001),
+            bf16::NEG_ZERO,
+            bf16::MAX,
+            bf16::from_f32(-1.5),
+        ])
         .collect();
     let f_vals = pseudo(6, 21);
     let i_vals: Vec<i32> = vec![0, -1, 7, i32::MAX, i32::MIN, 42];
@@ -527,17 +644,32 @@ fn safetensors_round_trip_keeps_bits_dtype_and_shape() {
     let header_len = u64::from_le_bytes(raw[..8].try_into().expect("8-byte length")) as usize;
     let header = std::str::from_utf8(&raw[8..8 + header_len]).expect("UTF-8 JSON header");
     for tag in ["\"BF16\"", "\"F32\"", "\"I32\""] {
-        assert!(header.contains(tag), "safetensors header lacks dtype {tag}: {header}");
+        assert!(
+            header.contains(tag),
+            "safetensors header lacks dtype {tag}: {header}"
+        );
     }
 
     let (loaded, meta) = Array::load_safetensors_with_metadata(&path).expect("load_safetensors");
-    assert_eq!(meta.get("format").map(String::as_str), Some("mlx"), "metadata round trip");
+    assert_eq!(
+        meta.get("format").map(String::as_str),
+        Some("mlx"),
+        "metadata round trip"
+    );
     let loaded_plain = Array::load_safetensors(&path).expect("load_safetensors");
     let mut names: Vec<&str> = loaded_plain.keys().map(String::as_str).collect();
     names.sort_unstable();
-    assert_eq!(names, ["w.bf16", "w.f32", "w.i32"], "tensor names after load");
+    assert_eq!(
+        names,
+        ["w.bf16", "w.f32", "w.i32"],
+        "tensor names after load"
+    );
 
-    let get = |name: &str| loaded.get(name).unwrap_or_else(|| panic!("{name} missing after load"));
+    let get = |name: &str| {
+        loaded
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} missing after load"))
+    };
     let bf2 = get("w.bf16");
     assert_eq!(bf2.dtype(), Dtype::Bfloat16, "bf16 tensor dtype after load");
     assert_eq!(bf2.shape(), &[2, 2, 4], "bf16 tensor shape after load");
@@ -548,7 +680,11 @@ fn safetensors_round_trip_keeps_bits_dtype_and_shape() {
     let f2 = get("w.f32");
     assert_eq!(f2.dtype(), Dtype::Float32, "f32 tensor dtype after load");
     assert_eq!(f2.shape(), &[3, 2], "f32 tensor shape after load");
-    assert_eq!(bits_f32(f2), f_vals.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "f32 bits after load");
+    assert_eq!(
+        bits_f32(f2),
+        f_vals.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        "f32 bits after load"
+    );
 
     let i2 = get("w.i32");
     assert_eq!(i2.dtype(), Dtype::Int32, "i32 tensor dtype after load");
