@@ -40,7 +40,13 @@ fn main() {
 }
 
 fn run() -> Result<(), BuildError> {
-    for var in ["MLX_DIR", "MLX_SYS_BLAS", "MLX_SYS_CACHE_DIR", "MLX_C_SRC", "PYTHON"] {
+    for var in [
+        "MLX_DIR",
+        "MLX_SYS_BLAS",
+        "MLX_SYS_CACHE_DIR",
+        "MLX_C_SRC",
+        "PYTHON",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=shim");
@@ -48,7 +54,8 @@ fn run() -> Result<(), BuildError> {
 
     let target_os = env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
-    let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|_| BuildError("OUT_DIR unset".into()))?);
+    let out_dir =
+        PathBuf::from(env::var("OUT_DIR").map_err(|_| BuildError("OUT_DIR unset".into()))?);
     let shim = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap_or_default()).join("shim");
 
     let mlx = locate_mlx(&target_os)?;
@@ -63,7 +70,14 @@ fn run() -> Result<(), BuildError> {
 
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
-    println!("cargo:rustc-link-lib=dylib={}", if target_os == "macos" { "c++" } else { "stdc++" });
+    println!(
+        "cargo:rustc-link-lib=dylib={}",
+        if target_os == "macos" {
+            "c++"
+        } else {
+            "stdc++"
+        }
+    );
     // Read by dependents' build scripts as DEP_MLX_LIBDIR to set their RUNPATH.
     println!("cargo:libdir={}", lib_dir.display());
     println!("cargo:rustc-env=MLX_SYS_LIBDIR={}", lib_dir.display());
@@ -97,7 +111,11 @@ fn locate_mlx(target_os: &str) -> Result<MlxInstall, BuildError> {
         }
         return Ok(install);
     }
-    let package = if target_os == "macos" { "mlx-metal" } else { "mlx-cpu" };
+    let package = if target_os == "macos" {
+        "mlx-metal"
+    } else {
+        "mlx-cpu"
+    };
     let root = install_wheel(package)?;
     Ok(MlxInstall {
         include_dir: root.join("mlx/include"),
@@ -146,10 +164,22 @@ fn install_wheel(package: &str) -> Result<PathBuf, BuildError> {
              or set MLX_DIR to an existing MLX {version} install."
         ));
     }
-    let staging = cache.join(format!(".{package}-{version}.partial-{}", std::process::id()));
+    let staging = cache.join(format!(
+        ".{package}-{version}.partial-{}",
+        std::process::id()
+    ));
     let _ = fs::remove_dir_all(&staging);
     let status = Command::new(&python)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--no-compile", "--target"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+        ])
         .arg(&staging)
         .arg(format!("{package}=={version}"))
         .status()
@@ -167,7 +197,10 @@ fn install_wheel(package: &str) -> Result<PathBuf, BuildError> {
         let _ = fs::remove_dir_all(&staging);
     }
     if !dest.join("mlx/include/mlx/version.h").is_file() {
-        return fail(format!("{package}=={version} installed into {} but has no mlx/include/mlx/version.h", dest.display()));
+        return fail(format!(
+            "{package}=={version} installed into {} but has no mlx/include/mlx/version.h",
+            dest.display()
+        ));
     }
     Ok(dest)
 }
@@ -178,10 +211,20 @@ fn check_mlx_version(include_dir: &Path) -> Result<(), BuildError> {
     let text = fs::read_to_string(&header)
         .map_err(|e| BuildError(format!("cannot read {}: {e}", header.display())))?;
     let field = |name: &str| -> Option<u32> {
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix("#define ")?.strip_prefix(name)?.trim().parse().ok())
+        text.lines().find_map(|l| {
+            l.trim()
+                .strip_prefix("#define ")?
+                .strip_prefix(name)?
+                .trim()
+                .parse()
+                .ok()
+        })
     };
-    let found = (field("MLX_VERSION_MAJOR"), field("MLX_VERSION_MINOR"), field("MLX_VERSION_PATCH"));
+    let found = (
+        field("MLX_VERSION_MAJOR"),
+        field("MLX_VERSION_MINOR"),
+        field("MLX_VERSION_PATCH"),
+    );
     let (ma, mi, pa) = MLX_VERSION;
     if found != (Some(ma), Some(mi), Some(pa)) {
         return fail(format!(
@@ -201,7 +244,11 @@ fn check_mlx_version(include_dir: &Path) -> Result<(), BuildError> {
 /// The CPU wheel's libmlx loads `libblas-<hash>.so` from `$ORIGIN/../../mlx_cpu.libs`
 /// (its RPATH). A variant tree whose libblas/liblapack point at OpenBLAS makes the same
 /// libmlx use it; the cached wheel itself stays untouched.
-fn choose_blas(mlx: &MlxInstall, target_os: &str, target_arch: &str) -> Result<(PathBuf, &'static str), BuildError> {
+fn choose_blas(
+    mlx: &MlxInstall,
+    target_os: &str,
+    target_arch: &str,
+) -> Result<(PathBuf, &'static str), BuildError> {
     let choice = env::var("MLX_SYS_BLAS").unwrap_or_default();
     let Some(wheel) = mlx.wheel_root.as_ref().filter(|_| target_os == "linux") else {
         return Ok((mlx.lib_dir.clone(), "as-installed"));
@@ -235,7 +282,12 @@ fn choose_blas(mlx: &MlxInstall, target_os: &str, target_arch: &str) -> Result<(
     let variant = PathBuf::from(format!("{}-openblas", wheel.display()));
     let variant_lib = variant.join("mlx/lib");
     let variant_libs = variant.join("mlx_cpu.libs");
-    let io = |e: std::io::Error| BuildError(format!("while preparing the OpenBLAS variant of MLX in {}: {e}", variant.display()));
+    let io = |e: std::io::Error| {
+        BuildError(format!(
+            "while preparing the OpenBLAS variant of MLX in {}: {e}",
+            variant.display()
+        ))
+    };
     fs::create_dir_all(&variant_lib).map_err(io)?;
     fs::create_dir_all(&variant_libs).map_err(io)?;
     let entries = fs::read_dir(&libs).map_err(io)?;
@@ -333,22 +385,45 @@ fn locate_mlx_c_sources(out_dir: &Path) -> Result<PathBuf, BuildError> {
     let Some(manifest) = manifest else {
         return fail(format!("cargo metadata did not list mlx-sys {MLX_C_CRATE_VERSION}; set MLX_C_SRC to an mlx-c source tree."));
     };
-    let src = manifest.parent().map(|d| d.join("src/mlx-c")).unwrap_or_default();
+    let src = manifest
+        .parent()
+        .map(|d| d.join("src/mlx-c"))
+        .unwrap_or_default();
     if !src.join("mlx/c/mlx.h").is_file() {
-        return fail(format!("{} has no mlx/c/mlx.h; set MLX_C_SRC to an mlx-c {MLX_C_CRATE_VERSION} source tree.", src.display()));
+        return fail(format!(
+            "{} has no mlx/c/mlx.h; set MLX_C_SRC to an mlx-c {MLX_C_CRATE_VERSION} source tree.",
+            src.display()
+        ));
     }
     Ok(src)
 }
 
-fn compile_mlx_c(mlx_c: &Path, mlx_include: &Path, shim: &Path, half_shim: bool) -> Result<(), BuildError> {
+fn compile_mlx_c(
+    mlx_c: &Path,
+    mlx_include: &Path,
+    shim: &Path,
+    half_shim: bool,
+) -> Result<(), BuildError> {
     let mut build = cc::Build::new();
-    build.cpp(true).std("c++20").include(mlx_c).include(mlx_include).include(shim).warnings(false);
+    build
+        .cpp(true)
+        .std("c++20")
+        .include(mlx_c)
+        .include(mlx_include)
+        .include(shim)
+        .warnings(false);
     // mlx-c is thin glue; keep it optimised even in debug builds, it costs little.
     build.opt_level(2).debug(false);
     let compiler = build.try_get_compiler().map_err(|e| {
-        BuildError(format!("no C++ compiler found ({e}).\nInstall one (Debian: apt-get install g++), or set CXX."))
+        BuildError(format!(
+            "no C++ compiler found ({e}).\nInstall one (Debian: apt-get install g++), or set CXX."
+        ))
     })?;
-    let runs = Command::new(compiler.path()).arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+    let runs = Command::new(compiler.path())
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     if !runs {
         return fail(format!(
             "the C++ compiler `{}` does not run.\nInstall one (Debian: apt-get install g++), or set CXX.",
@@ -356,10 +431,19 @@ fn compile_mlx_c(mlx_c: &Path, mlx_include: &Path, shim: &Path, half_shim: bool)
         ));
     }
     // Force-include the portability prelude: std::format for gcc 12, half types off ARM.
-    let prelude = if half_shim { "mlxc_prelude.h" } else { "format_compat.h" };
+    let prelude = if half_shim {
+        "mlxc_prelude.h"
+    } else {
+        "format_compat.h"
+    };
     build.flag("-include").flag(prelude);
     let mut sources: Vec<PathBuf> = fs::read_dir(mlx_c.join("mlx/c"))
-        .map_err(|e| BuildError(format!("cannot list {}: {e}", mlx_c.join("mlx/c").display())))?
+        .map_err(|e| {
+            BuildError(format!(
+                "cannot list {}: {e}",
+                mlx_c.join("mlx/c").display()
+            ))
+        })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "cpp"))
         // object.cpp is commented out of mlx-c's own CMake source list.
@@ -367,15 +451,25 @@ fn compile_mlx_c(mlx_c: &Path, mlx_include: &Path, shim: &Path, half_shim: bool)
         .collect();
     sources.sort();
     if sources.is_empty() {
-        return fail(format!("no mlx-c sources in {}", mlx_c.join("mlx/c").display()));
+        return fail(format!(
+            "no mlx-c sources in {}",
+            mlx_c.join("mlx/c").display()
+        ));
     }
     build.files(&sources);
     build.try_compile("mlxc").map_err(|e| {
-        BuildError(format!("compiling mlx-c failed: {e}\nA C++20 compiler is needed (Debian 12: g++ 12)."))
+        BuildError(format!(
+            "compiling mlx-c failed: {e}\nA C++20 compiler is needed (Debian 12: g++ 12)."
+        ))
     })
 }
 
-fn generate_bindings(mlx_c: &Path, shim: &Path, half_shim: bool, out_dir: &Path) -> Result<(), BuildError> {
+fn generate_bindings(
+    mlx_c: &Path,
+    shim: &Path,
+    half_shim: bool,
+    out_dir: &Path,
+) -> Result<(), BuildError> {
     let mut headers: Vec<PathBuf> = fs::read_dir(mlx_c.join("mlx/c"))
         .map_err(|e| BuildError(format!("cannot list mlx-c headers: {e}")))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -401,7 +495,8 @@ fn generate_bindings(mlx_c: &Path, shim: &Path, half_shim: bool, out_dir: &Path)
         builder = builder.header(h.display().to_string());
     }
     // bindgen panics when it cannot load libclang; turn that into an actionable message.
-    let generated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate()));
+    let generated =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || builder.generate()));
     let bindings = match generated {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => return fail(format!("bindgen could not parse the mlx-c headers: {e}")),

@@ -59,18 +59,62 @@ pub fn attention_mask(offset: i32, len: i32, window: Option<i32>) -> Result<Opti
 impl Attention {
     pub fn load(w: &mut dyn WeightSource, prefix: &str, spec: AttentionSpec) -> Result<Self> {
         let (h, hd) = (spec.hidden, spec.head_dim);
-        let q = Linear::load(w, &format!("{prefix}.q_proj"), h, spec.heads * hd, spec.qkv_bias)?;
-        let k = Linear::load(w, &format!("{prefix}.k_proj"), h, spec.kv_heads * hd, spec.qkv_bias)?;
-        let v = Linear::load(w, &format!("{prefix}.v_proj"), h, spec.kv_heads * hd, spec.qkv_bias)?;
-        let o = Linear::load(w, &format!("{prefix}.o_proj"), spec.heads * hd, h, spec.o_bias)?;
+        let q = Linear::load(
+            w,
+            &format!("{prefix}.q_proj"),
+            h,
+            spec.heads * hd,
+            spec.qkv_bias,
+        )?;
+        let k = Linear::load(
+            w,
+            &format!("{prefix}.k_proj"),
+            h,
+            spec.kv_heads * hd,
+            spec.qkv_bias,
+        )?;
+        let v = Linear::load(
+            w,
+            &format!("{prefix}.v_proj"),
+            h,
+            spec.kv_heads * hd,
+            spec.qkv_bias,
+        )?;
+        let o = Linear::load(
+            w,
+            &format!("{prefix}.o_proj"),
+            spec.heads * hd,
+            h,
+            spec.o_bias,
+        )?;
         let (q_norm, k_norm) = match spec.qk_norm {
             Some((eps, style)) => (
-                Some(RmsNorm::load(w, &format!("{prefix}.q_norm.weight"), hd, eps, style)?),
-                Some(RmsNorm::load(w, &format!("{prefix}.k_norm.weight"), hd, eps, style)?),
+                Some(RmsNorm::load(
+                    w,
+                    &format!("{prefix}.q_norm.weight"),
+                    hd,
+                    eps,
+                    style,
+                )?),
+                Some(RmsNorm::load(
+                    w,
+                    &format!("{prefix}.k_norm.weight"),
+                    hd,
+                    eps,
+                    style,
+                )?),
             ),
             None => (None, None),
         };
-        Ok(Self { spec, q, k, v, o, q_norm, k_norm })
+        Ok(Self {
+            spec,
+            q,
+            k,
+            v,
+            o,
+            q_norm,
+            k_norm,
+        })
     }
 
     pub fn sliding_window(&self) -> Option<i32> {
@@ -86,7 +130,10 @@ impl Attention {
         let s = &self.spec;
         let (b, len) = (x.shape()[0], x.shape()[1]);
         let offset = cache.offset() as i32;
-        let heads = |y: Array, n: i32| -> Result<Array> { Ok(y.reshape(&[b, len, n, s.head_dim])?.transpose_axes(&[0, 2, 1, 3])?) };
+        let heads = |y: Array, n: i32| -> Result<Array> {
+            Ok(y.reshape(&[b, len, n, s.head_dim])?
+                .transpose_axes(&[0, 2, 1, 3])?)
+        };
         let mut q = heads(self.q.forward(x)?, s.heads)?;
         let mut k = heads(self.k.forward(x)?, s.kv_heads)?;
         let v = heads(self.v.forward(x)?, s.kv_heads)?;
@@ -105,17 +152,28 @@ impl Attention {
             }
             Some(cap) => self.softcapped_attention(&q, &keys, &values, mask, cap)?,
         };
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, len, s.heads * s.head_dim])?;
+        let out = out
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[b, len, s.heads * s.head_dim])?;
         self.o.forward(&out)
     }
 
     /// Explicit attention for score softcapping, which the fused kernel cannot do.
     /// Query heads are grouped under their KV head instead of repeating keys.
-    fn softcapped_attention(&self, q: &Array, k: &Array, v: &Array, mask: Option<&Array>, cap: f32) -> Result<Array> {
+    fn softcapped_attention(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        mask: Option<&Array>,
+        cap: f32,
+    ) -> Result<Array> {
         let s = &self.spec;
         let (b, len, total) = (q.shape()[0], q.shape()[2], k.shape()[2]);
         let group = s.heads / s.kv_heads;
-        let q = q.multiply(Array::from_f32(s.scale).as_dtype(q.dtype())?)?.reshape(&[b, s.kv_heads, group, len, s.head_dim])?;
+        let q = q
+            .multiply(Array::from_f32(s.scale).as_dtype(q.dtype())?)?
+            .reshape(&[b, s.kv_heads, group, len, s.head_dim])?;
         let k = k.reshape(&[b, s.kv_heads, 1, total, s.head_dim])?;
         let v = v.reshape(&[b, s.kv_heads, 1, total, s.head_dim])?;
         let mut scores = softcap(&matmul(&q, k.transpose_axes(&[0, 1, 2, 4, 3])?)?, cap)?;

@@ -51,7 +51,8 @@ pub struct CommonConfig {
 
 impl CommonConfig {
     pub fn head_dim(&self) -> i32 {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     pub fn kv_heads(&self) -> i32 {
@@ -68,12 +69,18 @@ impl CommonConfig {
 
     /// The activation name, whichever key the family used.
     pub fn activation_name(&self, default: &str) -> String {
-        self.hidden_activation.clone().or_else(|| self.hidden_act.clone()).unwrap_or_else(|| default.to_string())
+        self.hidden_activation
+            .clone()
+            .or_else(|| self.hidden_act.clone())
+            .unwrap_or_else(|| default.to_string())
     }
 
     /// Whether layer `i` is a sliding-window layer according to `layer_types`, if present.
     pub fn layer_is_sliding(&self, i: usize) -> Option<bool> {
-        self.layer_types.as_ref().and_then(|t| t.get(i)).map(|t| t == "sliding_attention")
+        self.layer_types
+            .as_ref()
+            .and_then(|t| t.get(i))
+            .map(|t| t == "sliding_attention")
     }
 
     /// Rejects shapes that would make the model meaningless before any tensor is read.
@@ -88,7 +95,10 @@ impl CommonConfig {
             ("head_dim", self.head_dim()),
         ];
         if let Some((name, value)) = positive.iter().find(|(_, v)| *v <= 0) {
-            return Err(ModelError::config(path, format!("`{name}` must be positive, got {value}")));
+            return Err(ModelError::config(
+                path,
+                format!("`{name}` must be positive, got {value}"),
+            ));
         }
         if self.num_attention_heads % self.kv_heads() != 0 {
             return Err(ModelError::config(
@@ -104,7 +114,11 @@ impl CommonConfig {
             if types.len() != self.num_hidden_layers as usize {
                 return Err(ModelError::config(
                     path,
-                    format!("layer_types has {} entries for {} layers", types.len(), self.num_hidden_layers),
+                    format!(
+                        "layer_types has {} entries for {} layers",
+                        types.len(),
+                        self.num_hidden_layers
+                    ),
                 ));
             }
         }
@@ -114,13 +128,17 @@ impl CommonConfig {
 
 /// Parses a family config from config.json's JSON, naming the file on failure.
 pub fn parse_config<T: DeserializeOwned>(config: &serde_json::Value, dir: &Path) -> Result<T> {
-    serde_json::from_value(config.clone())
-        .map_err(|e| ModelError::config(dir.join("config.json"), format!("unexpected contents: {e}")))
+    serde_json::from_value(config.clone()).map_err(|e| {
+        ModelError::config(dir.join("config.json"), format!("unexpected contents: {e}"))
+    })
 }
 
 /// Opens the checkpoint's weights and builds the decoder described by `spec`.
 pub fn load_decoder(req: &LoadRequest, spec: DecoderSpec) -> Result<Box<dyn TargetModel>> {
-    let mut weights = ProgressWeights { inner: Weights::open(req.dir, req.options)?, progress: req.progress };
+    let mut weights = ProgressWeights {
+        inner: Weights::open(req.dir, req.options)?,
+        progress: req.progress,
+    };
     let model = Decoder::load(spec, &mut weights)?;
     Ok(Box::new(model))
 }

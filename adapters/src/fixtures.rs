@@ -45,24 +45,40 @@ pub fn with(base: &str, overrides: &str) -> String {
 /// Writes `config.json` and random weights for the family named by its `model_type`.
 /// With `quantize`, linear and embedding weights are stored MLX-quantized and the
 /// config gets the `quantization` entry MLX-community checkpoints carry.
-pub fn write_random_model(dir: &Path, config_json: &str, seed: u64, quantize: Option<Quantization>) -> Result<()> {
+pub fn write_random_model(
+    dir: &Path,
+    config_json: &str,
+    seed: u64,
+    quantize: Option<Quantization>,
+) -> Result<()> {
     let path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(config_json).map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
-    let model_type = config["model_type"].as_str().unwrap_or_default().to_string();
+    let mut config: serde_json::Value = serde_json::from_str(config_json)
+        .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
+    let model_type = config["model_type"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let family = inventory::iter::<DecoderFamily>
         .into_iter()
         .find(|f| f.model_type == model_type)
-        .ok_or_else(|| ModelError::config(&path, format!("no built-in decoder family `{model_type}`")))?;
+        .ok_or_else(|| {
+            ModelError::config(&path, format!("no built-in decoder family `{model_type}`"))
+        })?;
     let spec = (family.spec)(&config, dir)?;
     let mut weights = RandomWeights::new(seed)?;
     Decoder::load(spec, &mut weights)?;
     weights.save(dir, quantize)?;
     if let (Some(q), Some(obj)) = (quantize, config.as_object_mut()) {
-        obj.insert("quantization".into(), serde_json::json!({"group_size": q.group_size, "bits": q.bits}));
+        obj.insert(
+            "quantization".into(),
+            serde_json::json!({"group_size": q.group_size, "bits": q.bits}),
+        );
     }
-    std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap_or_default())
-        .map_err(|source| ModelError::Io { path, source })
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )
+    .map_err(|source| ModelError::Io { path, source })
 }
 
 /// Loads a model directory through the registry, as the engine does.
@@ -70,25 +86,48 @@ pub fn load_dir(dir: &Path, options: &LoadOptions) -> Result<Box<dyn TargetModel
     crate::link();
     let registry = AdapterRegistry::builtin()?;
     let found = registry.detect(dir)?;
-    let req = LoadRequest { dir, config: &found.config, options, progress: &|_, _| {} };
+    let req = LoadRequest {
+        dir,
+        config: &found.config,
+        options,
+        progress: &|_, _| {},
+    };
     (found.adapter.load)(&req)
 }
 
 /// The conformance test of a family: float checkpoint, quantized checkpoint, and
 /// quantize-on-load all pass the shared checker. Panics with the failing comparison.
 pub fn check_family(config_json: &str) {
-    let q4 = Quantization { bits: 4, group_size: 32 };
+    let q4 = Quantization {
+        bits: 4,
+        group_size: 32,
+    };
     let cases: [(&str, Option<Quantization>, LoadOptions); 3] = [
         ("f32 checkpoint", None, LoadOptions::default()),
         ("4-bit MLX checkpoint", Some(q4), LoadOptions::default()),
-        ("f32 checkpoint quantized on load (8-bit)", None, LoadOptions { dtype: None, quantize: Some(Quantization { bits: 8, group_size: 32 }) }),
+        (
+            "f32 checkpoint quantized on load (8-bit)",
+            None,
+            LoadOptions {
+                dtype: None,
+                quantize: Some(Quantization {
+                    bits: 8,
+                    group_size: 32,
+                }),
+            },
+        ),
     ];
     for (what, stored, options) in cases {
         let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), config_json, 7, stored).unwrap_or_else(|e| panic!("{what}: writing fixture: {e}"));
-        let model = load_dir(dir.path(), &options).unwrap_or_else(|e| panic!("{what}: loading: {e}"));
+        write_random_model(dir.path(), config_json, 7, stored)
+            .unwrap_or_else(|e| panic!("{what}: writing fixture: {e}"));
+        let model =
+            load_dir(dir.path(), &options).unwrap_or_else(|e| panic!("{what}: loading: {e}"));
         if stored.is_some() || options.quantize.is_some() {
-            assert!(model.info().quantized_bits.is_some(), "{what}: model should report quantized layers");
+            assert!(
+                model.info().quantized_bits.is_some(),
+                "{what}: model should report quantized layers"
+            );
         }
         check_target_model(model.as_ref()).unwrap_or_else(|e| panic!("{what}: {e}"));
     }

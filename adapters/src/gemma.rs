@@ -76,6 +76,9 @@ mod tests {
 
     #[test]
     fn tiny_gemma_conforms() {
-        check_family(&with(TINY_LLAMA, r#"{"model_type": "gemma", "head_dim": 16, "hidden_act": "gelu"}"#));
+        check_family(&with(
+            TINY_LLAMA,
+            r#"{"model_type": "gemma", "head_dim": 16, "hidden_act": "gelu"}"#,
+        ));
     }
 }

@@ -31,7 +31,10 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     c.validate(&path)?;
     let (theta, scaling) = c.rope();
     let rope = Rope::from_config(c.head_dim(), theta, &scaling, &path)?;
-    let scale = cfg.query_pre_attn_scalar.unwrap_or(c.head_dim() as f32).powf(-0.5);
+    let scale = cfg
+        .query_pre_attn_scalar
+        .unwrap_or(c.head_dim() as f32)
+        .powf(-0.5);
     let layers = (0..c.num_hidden_layers as usize)
         .map(|i| {
             // Without layer_types, even layers are the local (windowed) ones.

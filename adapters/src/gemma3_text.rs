@@ -48,8 +48,16 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     c.validate(&path)?;
     let (theta, scaling) = c.rope();
     let global_rope = Rope::from_config(c.head_dim(), theta, &scaling, &path)?;
-    let local_rope = Rope::from_config(c.head_dim(), cfg.rope_local_base_freq, &serde_json::Value::Null, &path)?;
-    let scale = cfg.query_pre_attn_scalar.unwrap_or(c.head_dim() as f32).powf(-0.5);
+    let local_rope = Rope::from_config(
+        c.head_dim(),
+        cfg.rope_local_base_freq,
+        &serde_json::Value::Null,
+        &path,
+    )?;
+    let scale = cfg
+        .query_pre_attn_scalar
+        .unwrap_or(c.head_dim() as f32)
+        .powf(-0.5);
     let pattern = cfg.sliding_window_pattern.max(1);
     let layers = (0..c.num_hidden_layers as usize)
         .map(|i| {
@@ -65,7 +73,11 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
                 qk_norm: Some((c.rms_norm_eps, NormWeight::OffsetByOne)),
                 sliding_window: if sliding { c.sliding_window } else { None },
                 softcap: cfg.attn_logit_softcapping,
-                rope: if sliding { local_rope.clone() } else { global_rope.clone() },
+                rope: if sliding {
+                    local_rope.clone()
+                } else {
+                    global_rope.clone()
+                },
             }
         })
         .collect();

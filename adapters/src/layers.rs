@@ -19,7 +19,12 @@ struct Quantized {
 
 /// Finds `prefix.{weight,scales,biases}` of a quantized layer and infers bits and group
 /// size from their shapes (a packed u32 row holds `32 / bits` values; one scale per group).
-fn load_quantized(w: &mut dyn WeightSource, prefix: &str, rows: i32, cols: i32) -> Result<Quantized> {
+fn load_quantized(
+    w: &mut dyn WeightSource,
+    prefix: &str,
+    rows: i32,
+    cols: i32,
+) -> Result<Quantized> {
     let weight = w.raw(&format!("{prefix}.weight"))?;
     let scales = w.raw(&format!("{prefix}.scales"))?;
     let biases = w.raw(&format!("{prefix}.biases"))?;
@@ -30,12 +35,21 @@ fn load_quantized(w: &mut dyn WeightSource, prefix: &str, rows: i32, cols: i32) 
         expected,
         actual,
     };
-    if ws.len() != 2 || ws[0] != rows || ss.len() != 2 || ss[0] != rows || ss[1] == 0 || biases.shape() != ss {
+    if ws.len() != 2
+        || ws[0] != rows
+        || ss.len() != 2
+        || ss[0] != rows
+        || ss[1] == 0
+        || biases.shape() != ss
+    {
         return Err(bad(vec![rows, -1], ws, "weight/scales/biases"));
     }
     let group_size = cols / ss[1];
     let bits = ws[1] * 32 / cols;
-    if group_size * ss[1] != cols || bits * cols != ws[1] * 32 || ![2, 3, 4, 5, 6, 8].contains(&bits) {
+    if group_size * ss[1] != cols
+        || bits * cols != ws[1] * 32
+        || ![2, 3, 4, 5, 6, 8].contains(&bits)
+    {
         return Err(bad(vec![rows, cols * 4 / 32], ws, "weight"));
     }
     let cast = |a: Array| -> Result<Array> {
@@ -46,23 +60,49 @@ fn load_quantized(w: &mut dyn WeightSource, prefix: &str, rows: i32, cols: i32) 
     };
     let scales = cast(scales)?;
     let biases = cast(biases)?;
-    Ok(Quantized { weight, scales, biases, group_size, bits })
+    Ok(Quantized {
+        weight,
+        scales,
+        biases,
+        group_size,
+        bits,
+    })
 }
 
-/// Quantizes a dense `[rows, cols]` weight when the user asked for it and the width allows.
-fn maybe_quantize(weight: Array, quantize_to: Option<Quantization>) -> Result<std::result::Result<Quantized, Array>> {
-    match quantize_to {
-        Some(q) if weight.shape()[1] % q.group_size == 0 => {
-            let (w, scales, biases) = quantize(&weight, q.group_size, q.bits)?;
-            Ok(Ok(Quantized { weight: w, scales, biases, group_size: q.group_size, bits: q.bits }))
+/// Quantizes a dense `[rows, cols]` weight when the user asked for it. Widths the
+/// requested group size does not divide fall back to groups of 32; layers no group
+/// size fits stay dense.
+fn maybe_quantize(
+    weight: Array,
+    quantize_to: Option<Quantization>,
+) -> Result<std::result::Result<Quantized, Array>> {
+    let cols = weight.shape()[1];
+    let group = quantize_to.and_then(|q| {
+        [q.group_size, 32]
+            .into_iter()
+            .find(|g| cols % g == 0)
+            .map(|g| (q.bits, g))
+    });
+    match group {
+        Some((bits, group_size)) => {
+            let (w, scales, biases) = quantize(&weight, group_size, bits)?;
+            Ok(Ok(Quantized {
+                weight: w,
+                scales,
+                biases,
+                group_size,
+                bits,
+            }))
         }
-        _ => Ok(Err(weight)),
+        None => Ok(Err(weight)),
     }
 }
 
 enum LinearWeight {
     /// Stored transposed (a free view) so forward is a plain matmul.
-    Dense { weight_t: Array },
+    Dense {
+        weight_t: Array,
+    },
     Quantized(Quantized),
 }
 
@@ -74,26 +114,44 @@ pub struct Linear {
 
 impl Linear {
     /// Loads `prefix.weight` (`[out, in]`), quantized or not, and `prefix.bias` when `bias`.
-    pub fn load(w: &mut dyn WeightSource, prefix: &str, in_dim: i32, out_dim: i32, bias: bool) -> Result<Self> {
+    pub fn load(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        in_dim: i32,
+        out_dim: i32,
+        bias: bool,
+    ) -> Result<Self> {
         let weight = if w.contains(&format!("{prefix}.scales")) {
             LinearWeight::Quantized(load_quantized(w, prefix, out_dim, in_dim)?)
         } else {
             let dense = w.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
             match maybe_quantize(dense, w.options().quantize)? {
                 Ok(q) => LinearWeight::Quantized(q),
-                Err(dense) => LinearWeight::Dense { weight_t: dense.t() },
+                Err(dense) => LinearWeight::Dense {
+                    weight_t: dense.t(),
+                },
             }
         };
-        let bias = if bias { Some(w.tensor(&format!("{prefix}.bias"), &[out_dim])?) } else { None };
+        let bias = if bias {
+            Some(w.tensor(&format!("{prefix}.bias"), &[out_dim])?)
+        } else {
+            None
+        };
         Ok(Self { weight, bias })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
             LinearWeight::Dense { weight_t } => matmul(x, weight_t)?,
-            LinearWeight::Quantized(q) => {
-                quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, q.group_size, q.bits)?
-            }
+            LinearWeight::Quantized(q) => quantized_matmul(
+                x,
+                &q.weight,
+                &q.scales,
+                &q.biases,
+                true,
+                q.group_size,
+                q.bits,
+            )?,
         };
         match &self.bias {
             Some(b) => Ok(y.add(b)?),
@@ -131,7 +189,13 @@ impl Embedding {
             Err(dense) => Ok(dense.take_axis(ids, 0)?),
             Ok(q) => {
                 let rows = |a: &Array| a.take_axis(ids, 0);
-                Ok(dequantize(rows(&q.weight)?, rows(&q.scales)?, &rows(&q.biases)?, q.group_size, q.bits)?)
+                Ok(dequantize(
+                    rows(&q.weight)?,
+                    rows(&q.scales)?,
+                    &rows(&q.biases)?,
+                    q.group_size,
+                    q.bits,
+                )?)
             }
         }
     }
@@ -140,7 +204,15 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.table {
             Err(dense) => Ok(matmul(x, dense.t())?),
-            Ok(q) => Ok(quantized_matmul(x, &q.weight, &q.scales, &q.biases, true, q.group_size, q.bits)?),
+            Ok(q) => Ok(quantized_matmul(
+                x,
+                &q.weight,
+                &q.scales,
+                &q.biases,
+                true,
+                q.group_size,
+                q.bits,
+            )?),
         }
     }
 
@@ -167,11 +239,19 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(w: &mut dyn WeightSource, name: &str, dim: i32, eps: f32, style: NormWeight) -> Result<Self> {
+    pub fn load(
+        w: &mut dyn WeightSource,
+        name: &str,
+        dim: i32,
+        eps: f32,
+        style: NormWeight,
+    ) -> Result<Self> {
         let weight = w.tensor(name, &[dim])?;
         let weight = match style {
             NormWeight::Plain => weight,
-            NormWeight::OffsetByOne => weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?,
+            NormWeight::OffsetByOne => {
+                weight.add(Array::from_f32(1.0).as_dtype(weight.dtype())?)?
+            }
         };
         Ok(Self { weight, eps })
     }
@@ -196,19 +276,37 @@ pub struct Rope {
 impl Rope {
     /// Builds the rotary embedding from `rope_theta` and an HF `rope_scaling` object
     /// (`null`, or `{"rope_type"|"type": "default"|"linear"|"llama3"|"yarn", ...}`).
-    pub fn from_config(dims: i32, base: f32, scaling: &serde_json::Value, config_path: &std::path::Path) -> Result<Self> {
-        let plain = Rope { dims, base: Some(base), scale: 1.0, freqs: None, mscale: 1.0 };
+    pub fn from_config(
+        dims: i32,
+        base: f32,
+        scaling: &serde_json::Value,
+        config_path: &std::path::Path,
+    ) -> Result<Self> {
+        let plain = Rope {
+            dims,
+            base: Some(base),
+            scale: 1.0,
+            freqs: None,
+            mscale: 1.0,
+        };
         if scaling.is_null() {
             return Ok(plain);
         }
-        let kind = scaling["rope_type"].as_str().or(scaling["type"].as_str()).unwrap_or("default");
+        let kind = scaling["rope_type"]
+            .as_str()
+            .or(scaling["type"].as_str())
+            .unwrap_or("default");
         let num = |key: &str| scaling[key].as_f64();
         let need = |key: &str| {
-            num(key).ok_or_else(|| ModelError::config(config_path, format!("rope_scaling ({kind}) needs `{key}`")))
+            num(key).ok_or_else(|| {
+                ModelError::config(config_path, format!("rope_scaling ({kind}) needs `{key}`"))
+            })
         };
         let half = (dims / 2) as usize;
         // Period of pair i in the unscaled embedding: base^(2i/dims) (MLX's `freqs` are periods).
-        let periods: Vec<f64> = (0..half).map(|i| (base as f64).powf(2.0 * i as f64 / dims as f64)).collect();
+        let periods: Vec<f64> = (0..half)
+            .map(|i| (base as f64).powf(2.0 * i as f64 / dims as f64))
+            .collect();
         match kind {
             "default" => Ok(plain),
             "linear" => Ok(Rope { scale: 1.0 / need("factor")? as f32, ..plain }),
@@ -284,8 +382,20 @@ impl Rope {
 
     /// Rotates `x` (`[B, H, L, D]`) for positions `offset..offset+L`.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
-        let x = if self.mscale != 1.0 { x.multiply(Array::from_f32(self.mscale).as_dtype(x.dtype())?)? } else { x.clone() };
-        Ok(fast::rope(&x, self.dims, false, self.base, self.scale, offset, self.freqs.as_ref())?)
+        let x = if self.mscale != 1.0 {
+            x.multiply(Array::from_f32(self.mscale).as_dtype(x.dtype())?)?
+        } else {
+            x.clone()
+        };
+        Ok(fast::rope(
+            &x,
+            self.dims,
+            false,
+            self.base,
+            self.scale,
+            offset,
+            self.freqs.as_ref(),
+        )?)
     }
 }
 
@@ -303,7 +413,9 @@ impl Activation {
             "gelu_pytorch_tanh" | "gelu_new" | "gelu_fast" | "gelu" => Ok(Activation::GeluTanh),
             other => Err(ModelError::config(
                 config_path,
-                format!("activation `{other}` is not supported (supported: silu, gelu_pytorch_tanh)"),
+                format!(
+                    "activation `{other}` is not supported (supported: silu, gelu_pytorch_tanh)"
+                ),
             )),
         }
     }
@@ -325,7 +437,14 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
-    pub fn load(w: &mut dyn WeightSource, prefix: &str, hidden: i32, inner: i32, bias: bool, act: Activation) -> Result<Self> {
+    pub fn load(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        hidden: i32,
+        inner: i32,
+        bias: bool,
+        act: Activation,
+    ) -> Result<Self> {
         Ok(Self {
             gate: Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inner, bias)?,
             up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inner, bias)?,
@@ -335,7 +454,10 @@ impl GatedMlp {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let gated = self.act.apply(&self.gate.forward(x)?)?.multiply(self.up.forward(x)?)?;
+        let gated = self
+            .act
+            .apply(&self.gate.forward(x)?)?
+            .multiply(self.up.forward(x)?)?;
         self.down.forward(&gated)
     }
 }

@@ -23,7 +23,12 @@ struct LlamaConfig {
 }
 
 /// Maps a llama config.json onto the shared decoder. Mistral reuses this with its window.
-pub(crate) fn llama_spec(config: &serde_json::Value, dir: &Path, model_type: &str, window: Option<i32>) -> Result<DecoderSpec> {
+pub(crate) fn llama_spec(
+    config: &serde_json::Value,
+    dir: &Path,
+    model_type: &str,
+    window: Option<i32>,
+) -> Result<DecoderSpec> {
     let cfg: LlamaConfig = parse_config(config, dir)?;
     let c = &cfg.common;
     let path = dir.join("config.json");
@@ -40,7 +45,11 @@ pub(crate) fn llama_spec(config: &serde_json::Value, dir: &Path, model_type: &st
             qkv_bias: cfg.attention_bias,
             o_bias: cfg.attention_bias,
             qk_norm: None,
-            sliding_window: if c.layer_is_sliding(i).unwrap_or(true) { window } else { None },
+            sliding_window: if c.layer_is_sliding(i).unwrap_or(true) {
+                window
+            } else {
+                None
+            },
             softcap: None,
             rope: rope.clone(),
         })

@@ -34,6 +34,9 @@ mod tests {
 
     #[test]
     fn tiny_mistral_with_a_window_shorter_than_the_probe_conforms() {
-        check_family(&with(TINY_LLAMA, r#"{"model_type": "mistral", "sliding_window": 4}"#));
+        check_family(&with(
+            TINY_LLAMA,
+            r#"{"model_type": "mistral", "sliding_window": 4}"#,
+        ));
     }
 }

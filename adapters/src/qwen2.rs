@@ -31,7 +31,9 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let first_windowed = cfg.max_window_layers.unwrap_or(0);
     let layers = (0..c.num_hidden_layers as usize)
         .map(|i| {
-            let sliding = c.layer_is_sliding(i).unwrap_or(cfg.use_sliding_window && i >= first_windowed);
+            let sliding = c
+                .layer_is_sliding(i)
+                .unwrap_or(cfg.use_sliding_window && i >= first_windowed);
             AttentionSpec {
                 hidden: c.hidden_size,
                 heads: c.num_attention_heads,
@@ -80,7 +82,10 @@ mod tests {
 
     #[test]
     fn tiny_qwen2_conforms() {
-        check_family(&with(TINY_LLAMA, r#"{"model_type": "qwen2", "tie_word_embeddings": true, "rope_theta": 1000000.0}"#));
+        check_family(&with(
+            TINY_LLAMA,
+            r#"{"model_type": "qwen2", "tie_word_embeddings": true, "rope_theta": 1000000.0}"#,
+        ));
     }
 
     #[test]

@@ -37,7 +37,11 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
             qkv_bias: cfg.attention_bias,
             o_bias: cfg.attention_bias,
             qk_norm: Some((c.rms_norm_eps, NormWeight::Plain)),
-            sliding_window: if c.layer_is_sliding(i).unwrap_or(false) { c.sliding_window } else { None },
+            sliding_window: if c.layer_is_sliding(i).unwrap_or(false) {
+                c.sliding_window
+            } else {
+                None
+            },
             softcap: None,
             rope: rope.clone(),
         })
@@ -76,6 +80,9 @@ mod tests {
     #[test]
     fn tiny_qwen3_conforms() {
         // head_dim deliberately differs from hidden/heads, as in real Qwen3 checkpoints.
-        check_family(&with(TINY_LLAMA, r#"{"model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": true}"#));
+        check_family(&with(
+            TINY_LLAMA,
+            r#"{"model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": true}"#,
+        ));
     }
 }

@@ -53,14 +53,24 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn forward(&self, x: &Array, cache: &mut dspec_plugin_api::KvCache, mask: Option<&Array>) -> Result<Array> {
+    fn forward(
+        &self,
+        x: &Array,
+        cache: &mut dspec_plugin_api::KvCache,
+        mask: Option<&Array>,
+    ) -> Result<Array> {
         match &self.ffn_norms {
             None => {
-                let h = x.add(self.attn.forward(&self.input_norm.forward(x)?, cache, mask)?)?;
+                let h = x.add(
+                    self.attn
+                        .forward(&self.input_norm.forward(x)?, cache, mask)?,
+                )?;
                 Ok(h.add(self.mlp.forward(&self.post_attn_norm.forward(&h)?)?)?)
             }
             Some((pre_ffn, post_ffn)) => {
-                let attn = self.attn.forward(&self.input_norm.forward(x)?, cache, mask)?;
+                let attn = self
+                    .attn
+                    .forward(&self.input_norm.forward(x)?, cache, mask)?;
                 let h = x.add(self.post_attn_norm.forward(&attn)?)?;
                 let mlp = self.mlp.forward(&pre_ffn.forward(&h)?)?;
                 Ok(h.add(post_ffn.forward(&mlp)?)?)
@@ -88,18 +98,34 @@ impl Decoder {
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, attn_spec) in spec.layers.iter().enumerate() {
             let lp = format!("{p}layers.{i}");
-            let norm = |w: &mut dyn WeightSource, name: &str| RmsNorm::load(w, &format!("{lp}.{name}.weight"), h, eps, style);
+            let norm = |w: &mut dyn WeightSource, name: &str| {
+                RmsNorm::load(w, &format!("{lp}.{name}.weight"), h, eps, style)
+            };
             let input_norm = norm(w, "input_layernorm")?;
             let attn = Attention::load(w, &format!("{lp}.self_attn"), attn_spec.clone())?;
             let post_attn_norm = norm(w, "post_attention_layernorm")?;
             let ffn_norms = match spec.norm_layout {
                 NormLayout::PreNorm => None,
-                NormLayout::Sandwich => {
-                    Some((norm(w, "pre_feedforward_layernorm")?, norm(w, "post_feedforward_layernorm")?))
-                }
+                NormLayout::Sandwich => Some((
+                    norm(w, "pre_feedforward_layernorm")?,
+                    norm(w, "post_feedforward_layernorm")?,
+                )),
             };
-            let mlp = GatedMlp::load(w, &format!("{lp}.mlp"), h, spec.intermediate_size, spec.mlp_bias, spec.activation)?;
-            layers.push(DecoderLayer { attn, mlp, input_norm, post_attn_norm, ffn_norms });
+            let mlp = GatedMlp::load(
+                w,
+                &format!("{lp}.mlp"),
+                h,
+                spec.intermediate_size,
+                spec.mlp_bias,
+                spec.activation,
+            )?;
+            layers.push(DecoderLayer {
+                attn,
+                mlp,
+                input_norm,
+                post_attn_norm,
+                ffn_norms,
+            });
         }
         let norm = RmsNorm::load(w, &format!("{p}norm.weight"), h, eps, style)?;
         // Some checkpoints ship an lm_head even when tied; an untied config requires one.
@@ -131,10 +157,19 @@ impl Decoder {
 
 fn check_tokens(tokens: &Array) -> Result<()> {
     if tokens.ndim() != 2 || tokens.shape()[0] != 1 || tokens.shape()[1] == 0 {
-        return Err(ModelError::Unsupported(format!("forward expects tokens of shape [1, L>0], got {:?}", tokens.shape())));
+        return Err(ModelError::Unsupported(format!(
+            "forward expects tokens of shape [1, L>0], got {:?}",
+            tokens.shape()
+        )));
     }
-    if !matches!(tokens.dtype(), Dtype::Int32 | Dtype::Uint32 | Dtype::Int64 | Dtype::Uint64) {
-        return Err(ModelError::Unsupported(format!("token ids must be integers, got {:?}", tokens.dtype())));
+    if !matches!(
+        tokens.dtype(),
+        Dtype::Int32 | Dtype::Uint32 | Dtype::Int64 | Dtype::Uint64
+    ) {
+        return Err(ModelError::Unsupported(format!(
+            "token ids must be integers, got {:?}",
+            tokens.dtype()
+        )));
     }
     Ok(())
 }
@@ -148,13 +183,23 @@ impl TargetModel for Decoder {
         ModelCache::new(self.layers.len())
     }
 
-    fn forward(&self, tokens: &Array, cache: &mut ModelCache, taps: &[usize]) -> Result<ForwardOutput> {
+    fn forward(
+        &self,
+        tokens: &Array,
+        cache: &mut ModelCache,
+        taps: &[usize],
+    ) -> Result<ForwardOutput> {
         check_tokens(tokens)?;
         if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(ModelError::Unsupported(format!("tap layer {bad} out of range: the model has {} layers", self.layers.len())));
+            return Err(ModelError::Unsupported(format!(
+                "tap layer {bad} out of range: the model has {} layers",
+                self.layers.len()
+            )));
         }
         if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Unsupported("cache was made for a different model".into()));
+            return Err(ModelError::Unsupported(
+                "cache was made for a different model".into(),
+            ));
         }
         let len = tokens.shape()[1];
         let offset = cache.offset() as i32;
@@ -162,7 +207,8 @@ impl TargetModel for Decoder {
         let mut masks: HashMap<Option<i32>, Option<Array>> = HashMap::new();
         let mut h = self.embed(tokens)?;
         let mut captured: Vec<(usize, Array)> = Vec::with_capacity(taps.len());
-        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
+        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
+        {
             let window = layer.attn.sliding_window();
             if !masks.contains_key(&window) {
                 masks.insert(window, attention_mask(offset, len, window)?);
@@ -176,8 +222,10 @@ impl TargetModel for Decoder {
         let hidden = if taps.is_empty() {
             None
         } else {
-            let ordered: Vec<&Array> =
-                taps.iter().filter_map(|t| captured.iter().find(|(i, _)| i == t).map(|(_, a)| a)).collect();
+            let ordered: Vec<&Array> = taps
+                .iter()
+                .filter_map(|t| captured.iter().find(|(i, _)| i == t).map(|(_, a)| a))
+                .collect();
             Some(concatenate(&ordered, -1)?)
         };
         Ok(ForwardOutput { logits, hidden })

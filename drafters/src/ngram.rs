@@ -13,7 +13,9 @@ pub fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32
         }
         let suffix = &history[history.len() - size..];
         // Latest match first: recent context predicts the continuation best.
-        let found = (0..history.len() - size).rev().find(|&start| &history[start..start + size] == suffix);
+        let found = (0..history.len() - size)
+            .rev()
+            .find(|&start| &history[start..start + size] == suffix);
         if let Some(start) = found {
             let from = start + size;
             let to = (from + max_k).min(history.len());
@@ -38,8 +40,16 @@ mod tests {
     #[test]
     fn falls_back_to_shorter_ngrams_and_gives_nothing_without_a_match() {
         let h = [5, 6, 7, 8, 6];
-        assert_eq!(propose(&h, 3, 1, 2), vec![7, 8], "only the 1-gram [6] matches");
-        assert_eq!(propose(&h, 3, 2, 2), Vec::<u32>::new(), "no 2-gram match allowed to fall back to");
+        assert_eq!(
+            propose(&h, 3, 1, 2),
+            vec![7, 8],
+            "only the 1-gram [6] matches"
+        );
+        assert_eq!(
+            propose(&h, 3, 2, 2),
+            Vec::<u32>::new(),
+            "no 2-gram match allowed to fall back to"
+        );
         assert!(propose(&[1, 2, 3], 2, 1, 4).is_empty());
         assert!(propose(&[], 2, 1, 4).is_empty());
         assert!(propose(&[1, 1], 2, 1, 0).is_empty());

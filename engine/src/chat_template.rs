@@ -1,1 +1,1050 @@
-//! (being written)
+//! Hugging Face chat templates (Jinja) rendered with minijinja the way transformers renders
+//! them: same whitespace rules, the helpers templates call, and Python's JSON output.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::{Kwargs, Serde, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ChatTemplateError {
+    #[error("the chat template does not compile: {message}")]
+    Compile { message: String },
+    #[error("the chat template rejected the conversation: {message}")]
+    Raised { message: String },
+    #[error("rendering the chat template failed: {message}")]
+    Render { message: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// A chat template compiled once, rendered per request.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    pub fn new(
+        source: &str,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<Self, ChatTemplateError> {
+        let compile_error = |e: Error| ChatTemplateError::Compile {
+            message: e.to_string(),
+        };
+        let mut env = Environment::new();
+        // transformers compiles with trim_blocks and lstrip_blocks and Jinja's default of
+        // dropping one trailing newline of the source.
+        let syntax = SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .keep_trailing_newline(false)
+            .build()
+            .map_err(compile_error)?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        // Unset special tokens stay undefined, as in transformers' special_tokens_map.
+        if let Some(bos) = bos_token {
+            env.add_global("bos_token", bos);
+        }
+        if let Some(eos) = eos_token {
+            env.add_global("eos_token", eos);
+        }
+        env.add_template_owned(TEMPLATE_NAME, neutralize_generation_tags(source))
+            .map_err(compile_error)?;
+        Ok(Self { env })
+    }
+
+    /// Renders a conversation. `extra` are further template variables (`tools`,
+    /// `enable_thinking`, `date_string`, ...); they may override `bos_token`/`eos_token`
+    /// but not `messages` or `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatTemplateError> {
+        let mut context: BTreeMap<String, Value> = extra
+            .iter()
+            .map(|(key, value)| (key.clone(), Value::from(Serde(value))))
+            .collect();
+        context.insert("messages".into(), Value::from(Serde(messages)));
+        context.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
+        let template =
+            self.env
+                .get_template(TEMPLATE_NAME)
+                .map_err(|e| ChatTemplateError::Render {
+                    message: e.to_string(),
+                })?;
+        template
+            .render(Value::from(context))
+            .map_err(|e| match raised_message(&e) {
+                Some(message) => ChatTemplateError::Raised { message },
+                None => ChatTemplateError::Render {
+                    message: e.to_string(),
+                },
+            })
+    }
+}
+
+/// The error `raise_exception` attaches so that render errors can tell it apart.
+#[derive(Debug)]
+struct TemplateRaised(String);
+
+impl std::fmt::Display for TemplateRaised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TemplateRaised {}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message.clone())
+        .with_source(TemplateRaised(message)))
+}
+
+fn raised_message(error: &Error) -> Option<String> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = source {
+        if let Some(raised) = current.downcast_ref::<TemplateRaised>() {
+            return Some(raised.0.clone());
+        }
+        source = current.source();
+    }
+    None
+}
+
+/// transformers' AssistantTracker adds `{% generation %}…{% endgeneration %}`, which only
+/// marks assistant text for training masks; rendering it is a no-op. minijinja has no such
+/// tag, so it becomes an always-true `if` that keeps the tags' whitespace control.
+fn neutralize_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        out.push_str(&rest[..start]);
+        let tag = &rest[start..];
+        let mut inner_start = 2;
+        if tag[inner_start..].starts_with(['-', '+']) {
+            inner_start += 1;
+        }
+        let body = &tag[inner_start..];
+        let trimmed = body.trim_start();
+        let word_at = inner_start + (body.len() - trimmed.len());
+        let replacement = [("endgeneration", "endif"), ("generation", "if true")]
+            .into_iter()
+            .find(|(word, _)| {
+                trimmed.starts_with(word)
+                    && trimmed[word.len()..]
+                        .trim_start()
+                        .trim_start_matches(['-', '+'])
+                        .starts_with("%}")
+            });
+        match replacement {
+            Some((word, with)) => {
+                out.push_str(&tag[..word_at]);
+                out.push_str(with);
+                rest = &tag[word_at + word.len()..];
+            }
+            None => {
+                out.push_str("{%");
+                rest = &tag[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn strftime_now(format: &str) -> String {
+    let seconds = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format_utc(format, seconds)
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = [
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+];
+
+fn is_leap(year: u64) -> bool {
+    (year.is_multiple_of(4) && !year.is_multiple_of(100)) || year.is_multiple_of(400)
+}
+
+/// A C `strftime` subset for a UTC time given as seconds since 1970; templates use it for
+/// "today's date" lines. Unknown directives are copied through as C's strftime does.
+fn format_utc(format: &str, seconds: u64) -> String {
+    let mut days = seconds / 86_400;
+    let second_of_day = seconds % 86_400;
+    // 1970-01-01 was a Thursday.
+    let weekday = ((days + 4) % 7) as usize;
+    let mut year = 1970;
+    loop {
+        let length = if is_leap(year) { 366 } else { 365 };
+        if days < length {
+            break;
+        }
+        days -= length;
+        year += 1;
+    }
+    let day_of_year = days;
+    let mut month = 0;
+    loop {
+        let length = match month {
+            1 if is_leap(year) => 29,
+            1 => 28,
+            3 | 5 | 8 | 10 => 30,
+            _ => 31,
+        };
+        if days < length {
+            break;
+        }
+        days -= length;
+        month += 1;
+    }
+    let day = days + 1;
+    let (hour, minute, second) = (
+        second_of_day / 3600,
+        second_of_day / 60 % 60,
+        second_of_day % 60,
+    );
+
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let Some(directive) = chars.next() else {
+            out.push('%');
+            break;
+        };
+        // Writing to a String cannot fail.
+        let _ = match directive {
+            'Y' => write!(out, "{year}"),
+            'y' => write!(out, "{:02}", year % 100),
+            'm' => write!(out, "{:02}", month + 1),
+            'd' => write!(out, "{day:02}"),
+            'e' => write!(out, "{day:>2}"),
+            'j' => write!(out, "{:03}", day_of_year + 1),
+            'H' => write!(out, "{hour:02}"),
+            'I' => write!(out, "{:02}", (hour + 11) % 12 + 1),
+            'M' => write!(out, "{minute:02}"),
+            'S' => write!(out, "{second:02}"),
+            'p' => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
+            'B' => write!(out, "{}", MONTHS[month]),
+            'b' | 'h' => write!(out, "{}", &MONTHS[month][..3]),
+            'A' => write!(out, "{}", WEEKDAYS[weekday]),
+            'a' => write!(out, "{}", &WEEKDAYS[weekday][..3]),
+            'F' => write!(out, "{year}-{:02}-{day:02}", month + 1),
+            'T' => write!(out, "{hour:02}:{minute:02}:{second:02}"),
+            'Z' => write!(out, "UTC"),
+            'z' => write!(out, "+0000"),
+            '%' => write!(out, "%"),
+            other => write!(out, "%{other}"),
+        };
+    }
+    out
+}
+
+/// transformers replaces Jinja's `tojson` with `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`; tool schemas reach the model in exactly that form,
+/// so this follows Python's output (spacing, no HTML escaping, float repr) and argument order.
+fn tojson(
+    value: &Value,
+    ensure_ascii: Option<Value>,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> Result<Value, Error> {
+    let ensure_ascii = match ensure_ascii {
+        Some(v) => v.is_true(),
+        None => kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+    };
+    let indent = match indent {
+        Some(v) => Some(v),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_str() {
+            Some(s) => Some(s.to_string()),
+            None => {
+                let n = i64::try_from(v).map_err(|_| {
+                    Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: indent must be int or str",
+                    )
+                })?;
+                Some(" ".repeat(usize::try_from(n).unwrap_or(0)))
+            }
+        },
+    };
+    let separators = match kwargs.get::<Option<Value>>("separators")? {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => {
+            let parts: Vec<String> = v
+                .try_iter()?
+                .map(|part| part.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .unwrap_or_default();
+            match <[String; 2]>::try_from(parts) {
+                Ok([item, key]) => Some((item, key)),
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: separators must be two strings",
+                    ))
+                }
+            }
+        }
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    kwargs.assert_all_used()?;
+
+    let (item_separator, key_separator) = separators.unwrap_or_else(|| {
+        let item = if indent.is_some() { "," } else { ", " };
+        (item.to_string(), ": ".to_string())
+    });
+    let mut writer = PythonJson {
+        out: String::new(),
+        ensure_ascii,
+        indent,
+        item_separator,
+        key_separator,
+        sort_keys,
+    };
+    writer.value(value, 0)?;
+    Ok(Value::from(writer.out))
+}
+
+struct PythonJson {
+    out: String,
+    ensure_ascii: bool,
+    indent: Option<String>,
+    item_separator: String,
+    key_separator: String,
+    sort_keys: bool,
+}
+
+impl PythonJson {
+    fn value(&mut self, value: &Value, depth: usize) -> Result<(), Error> {
+        match value.kind() {
+            ValueKind::Undefined | ValueKind::None => self.out.push_str("null"),
+            ValueKind::Bool => self
+                .out
+                .push_str(if value.is_true() { "true" } else { "false" }),
+            ValueKind::Number if value.is_integer() => self.out.push_str(&value.to_string()),
+            ValueKind::Number => {
+                let float = f64::try_from(value.clone())?;
+                self.out.push_str(&python_float_repr(float));
+            }
+            ValueKind::String => self.string(value.as_str().unwrap_or_default()),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = value.try_iter()?.collect();
+                self.open('[', items.is_empty());
+                for (i, item) in items.iter().enumerate() {
+                    self.separator(i, depth + 1);
+                    self.value(item, depth + 1)?;
+                }
+                self.close(']', items.is_empty(), depth);
+            }
+            ValueKind::Map => {
+                let mut entries = Vec::new();
+                for key in value.try_iter()? {
+                    let item = value.get_item(&key)?;
+                    entries.push((self.key_string(&key)?, item));
+                }
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(&b.0));
+                }
+                self.open('{', entries.is_empty());
+                for (i, (key, item)) in entries.iter().enumerate() {
+                    self.separator(i, depth + 1);
+                    self.string(key);
+                    let key_separator = self.key_separator.clone();
+                    self.out.push_str(&key_separator);
+                    self.value(item, depth + 1)?;
+                }
+                self.close('}', entries.is_empty(), depth);
+            }
+            other => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson: a {other} value is not JSON serializable"),
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// Python turns non-string keys into their JSON spelling.
+    fn key_string(&self, key: &Value) -> Result<String, Error> {
+        Ok(match key.kind() {
+            ValueKind::String => key.as_str().unwrap_or_default().to_string(),
+            ValueKind::Bool => if key.is_true() { "true" } else { "false" }.to_string(),
+            ValueKind::None | ValueKind::Undefined => "null".to_string(),
+            ValueKind::Number if key.is_integer() => key.to_string(),
+            ValueKind::Number => python_float_repr(f64::try_from(key.clone())?),
+            other => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("tojson: keys must be str, int, float, bool or None, not {other}"),
+                ))
+            }
+        })
+    }
+
+    fn open(&mut self, bracket: char, empty: bool) {
+        self.out.push(bracket);
+        if empty {
+            self.out.push(if bracket == '[' { ']' } else { '}' });
+        }
+    }
+
+    fn close(&mut self, bracket: char, empty: bool, depth: usize) {
+        if empty {
+            return;
+        }
+        if let Some(indent) = &self.indent {
+            self.out.push('\n');
+            self.out.push_str(&indent.repeat(depth));
+        }
+        self.out.push(bracket);
+    }
+
+    fn separator(&mut self, index: usize, depth: usize) {
+        if index > 0 {
+            let item_separator = self.item_separator.clone();
+            self.out.push_str(&item_separator);
+        }
+        if let Some(indent) = &self.indent {
+            self.out.push('\n');
+            self.out.push_str(&indent.repeat(depth));
+        }
+    }
+
+    fn string(&mut self, s: &str) {
+        self.out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => self.out.push_str("\\\""),
+                '\\' => self.out.push_str("\\\\"),
+                '\n' => self.out.push_str("\\n"),
+                '\r' => self.out.push_str("\\r"),
+                '\t' => self.out.push_str("\\t"),
+                '\u{8}' => self.out.push_str("\\b"),
+                '\u{c}' => self.out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut units = [0u16; 2];
+                    for unit in c.encode_utf16(&mut units) {
+                        let _ = write!(self.out, "\\u{unit:04x}");
+                    }
+                }
+                c => self.out.push(c),
+            }
+        }
+        self.out.push('"');
+    }
+}
+
+/// Python's `repr(float)`: shortest round-trip digits, scientific notation outside
+/// 1e-4 <= |x| < 1e16, always a decimal point or exponent, `NaN`/`Infinity` as json.dumps.
+fn python_float_repr(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let sign = if x.is_sign_negative() { "-" } else { "" };
+    // Rust's `{:e}` already gives the shortest digits that round-trip, like Python's repr.
+    let scientific = format!("{:e}", x.abs());
+    let (mantissa, exponent) = scientific.split_once('e').unwrap_or((&scientific, "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    if x == 0.0 {
+        return format!("{sign}0.0");
+    }
+    if !(-4..16).contains(&exponent) {
+        let (first, rest) = digits.split_at(1);
+        let fraction = if rest.is_empty() {
+            String::new()
+        } else {
+            format!(".{rest}")
+        };
+        let exp_sign = if exponent < 0 { '-' } else { '+' };
+        return format!("{sign}{first}{fraction}e{exp_sign}{:02}", exponent.abs());
+    }
+    if exponent < 0 {
+        let zeros = "0".repeat((-exponent - 1) as usize);
+        return format!("{sign}0.{zeros}{digits}");
+    }
+    let point = exponent as usize + 1;
+    if digits.len() <= point {
+        format!("{sign}{digits}{}.0", "0".repeat(point - digits.len()))
+    } else {
+        format!("{sign}{}.{}", &digits[..point], &digits[point..])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn messages(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
+        pairs
+            .iter()
+            .map(|(role, content)| ChatMessage::new(*role, *content))
+            .collect()
+    }
+
+    fn extra(value: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+        match value {
+            serde_json::Value::Object(map) => map,
+            _ => panic!("extra must be an object"),
+        }
+    }
+
+    fn no_extra() -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
+
+    /// Qwen2.5-Instruct's template as published on the hub.
+    const QWEN25: &str = r##"{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"##;
+
+    #[test]
+    fn qwen25_default_system_prompt() {
+        let template = ChatTemplate::new(QWEN25, None, Some("<|im_end|>")).unwrap();
+        let rendered = template
+            .render(&messages(&[("user", "Hello")]), true, &no_extra())
+            .unwrap();
+        assert_eq!(
+            rendered,
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful \
+             assistant.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn qwen25_own_system_prompt_and_history() {
+        let template = ChatTemplate::new(QWEN25, None, Some("<|im_end|>")).unwrap();
+        let conversation = messages(&[
+            ("system", "You are a pirate."),
+            ("user", "Hi"),
+            ("assistant", "Arr."),
+            ("user", "Bye"),
+        ]);
+        let rendered = template.render(&conversation, false, &no_extra()).unwrap();
+        assert_eq!(
+            rendered,
+            "<|im_start|>system\nYou are a pirate.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\nArr.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn qwen25_tools_render_as_python_json() {
+        let template = ChatTemplate::new(QWEN25, None, None).unwrap();
+        // Key order differs from sorted order on purpose: Python keeps insertion order.
+        let tools = extra(json!({"tools": [{
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city, in 'C' or <F>",
+                "parameters": {"type": "object",
+                               "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}
+            }
+        }]}));
+        let rendered = template
+            .render(&messages(&[("user", "Weather in Paris?")]), true, &tools)
+            .unwrap();
+        let expected = concat!(
+            "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+            "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n",
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+            r#"{"type": "function", "function": {"name": "get_weather", "#,
+            r#""description": "Weather for a city, in 'C' or <F>", "#,
+            r#""parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "#,
+            r#""required": ["city"]}}}"#,
+            "\n</tools>\n\nFor each function call, return a json object with function name and ",
+            "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n",
+            r#"{"name": <function-name>, "arguments": <args-json-object>}"#,
+            "\n</tool_call><|im_end|>\n",
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(rendered, expected);
+    }
+
+    /// Llama 3 Instruct's template (single line on the hub).
+    const LLAMA3: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+    #[test]
+    fn llama3_bos_and_trim_binds_to_content_only() {
+        let template =
+            ChatTemplate::new(LLAMA3, Some("<|begin_of_text|>"), Some("<|eot_id|>")).unwrap();
+        let conversation = messages(&[("system", "You are helpful."), ("user", "  Hi there \n")]);
+        let rendered = template.render(&conversation, true, &no_extra()).unwrap();
+        assert_eq!(
+            rendered,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are helpful.\
+             <|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+    }
+
+    /// The system-prompt part of Llama 3.1/3.2's template: date logic and `{{-` layout.
+    const LLAMA32_SYSTEM: &str = r#"{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"#;
+
+    #[test]
+    fn llama32_date_from_extra_and_from_strftime_now() {
+        let template = ChatTemplate::new(LLAMA32_SYSTEM, Some("<|begin_of_text|>"), None).unwrap();
+        let conversation = messages(&[("system", " Be kind. "), ("user", "Hi")]);
+        let rendered = template
+            .render(
+                &conversation,
+                true,
+                &extra(json!({"date_string": "01 Jan 2025"})),
+            )
+            .unwrap();
+        assert_eq!(
+            rendered,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n\
+             Cutting Knowledge Date: December 2023\nToday Date: 01 Jan 2025\n\n\
+             Be kind.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+
+        let rendered = template.render(&conversation, false, &no_extra()).unwrap();
+        let date_line = rendered
+            .lines()
+            .find_map(|line| line.strip_prefix("Today Date: "))
+            .unwrap();
+        let parts: Vec<&str> = date_line.split(' ').collect();
+        assert_eq!(parts.len(), 3, "{date_line:?}");
+        assert_eq!(parts[0].len(), 2);
+        assert!(parts[0].chars().all(|c| c.is_ascii_digit()));
+        assert!(MONTHS.iter().any(|m| &m[..3] == parts[1]), "{date_line:?}");
+        assert!(parts[2].parse::<u32>().unwrap() >= 2025);
+    }
+
+    /// Gemma 3's template: system prompt folded into the first user turn, `model` role.
+    const GEMMA3: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"#;
+
+    #[test]
+    fn gemma3_folds_system_into_first_turn() {
+        let template = ChatTemplate::new(GEMMA3, Some("<bos>"), Some("<eos>")).unwrap();
+        let conversation = messages(&[
+            ("system", "You are terse."),
+            ("user", "Hello"),
+            ("assistant", "Hi."),
+            ("user", "Bye\n"),
+        ]);
+        let rendered = template.render(&conversation, true, &no_extra()).unwrap();
+        assert_eq!(
+            rendered,
+            "<bos><start_of_turn>user\nYou are terse.\n\nHello<end_of_turn>\n\
+             <start_of_turn>model\nHi.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n\
+             <start_of_turn>model\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_becomes_an_error_with_its_message() {
+        let template = ChatTemplate::new(GEMMA3, Some("<bos>"), None).unwrap();
+        let conversation = messages(&[("user", "a"), ("user", "b")]);
+        let err = template
+            .render(&conversation, true, &no_extra())
+            .unwrap_err();
+        match &err {
+            ChatTemplateError::Raised { message } => assert_eq!(
+                message,
+                "Conversation roles must alternate user/assistant/user/assistant/..."
+            ),
+            other => panic!("expected Raised, got {other:?}"),
+        }
+        assert!(err.to_string().contains("roles must alternate"));
+    }
+
+    /// The parts of Qwen3's template that exercise Python string methods, namespaces,
+    /// reversed slices and the `enable_thinking` switch.
+    const QWEN3: &str = r#"{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"#;
+
+    #[test]
+    fn qwen3_enable_thinking_false_reaches_the_template() {
+        let template = ChatTemplate::new(QWEN3, None, Some("<|im_end|>")).unwrap();
+        let conversation = messages(&[
+            ("system", "Be brief."),
+            ("user", "2+2?"),
+            ("assistant", "<think>\nadd them\n</think>\n\n4"),
+            ("user", "3+3?"),
+        ]);
+        let history = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n\
+                       <|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n3+3?<|im_end|>\n\
+                       <|im_start|>assistant\n";
+        let thinking_off = template
+            .render(
+                &conversation,
+                true,
+                &extra(json!({"enable_thinking": false})),
+            )
+            .unwrap();
+        assert_eq!(thinking_off, format!("{history}<think>\n\n</think>\n\n"));
+        let thinking_on = template
+            .render(
+                &conversation,
+                true,
+                &extra(json!({"enable_thinking": true})),
+            )
+            .unwrap();
+        assert_eq!(thinking_on, history);
+        let unset = template.render(&conversation, true, &no_extra()).unwrap();
+        assert_eq!(unset, history);
+    }
+
+    #[test]
+    fn qwen3_keeps_reasoning_after_the_last_query() {
+        let template = ChatTemplate::new(QWEN3, None, None).unwrap();
+        let conversation = messages(&[
+            ("user", "Hi"),
+            ("assistant", "<think>\nhmm\n</think>\n\nHello!"),
+        ]);
+        let rendered = template.render(&conversation, false, &no_extra()).unwrap();
+        assert_eq!(
+            rendered,
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm\n</think>\n\n\
+             Hello!<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn whitespace_rules_match_transformers() {
+        // trim_blocks eats the newline after a block tag, lstrip_blocks the indentation
+        // before it; the final newline of the source is dropped.
+        let source = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
+        let template = ChatTemplate::new(source, None, None).unwrap();
+        let rendered = template
+            .render(
+                &messages(&[("user", "a"), ("assistant", "b"), ("user", "c")]),
+                false,
+                &no_extra(),
+            )
+            .unwrap();
+        assert_eq!(rendered, "[a]\n[c]\n");
+    }
+
+    #[test]
+    fn special_tokens_python_printing_and_generation_tags() {
+        let source = "{{ bos_token }}|{{ eos_token }}|{{ flag }}|{{ nothing }}|{% generation %}{{ messages[0].content }}{% endgeneration %}|{%- generation -%} x {%- endgeneration %}";
+        let template = ChatTemplate::new(source, Some("<s>"), None).unwrap();
+        let rendered = template
+            .render(
+                &messages(&[("user", "u")]),
+                false,
+                &extra(json!({"flag": true, "nothing": null})),
+            )
+            .unwrap();
+        assert_eq!(rendered, "<s>||True|None|u|x");
+        let overridden = template
+            .render(
+                &messages(&[("user", "u")]),
+                false,
+                &extra(json!({"bos_token": "<B>", "flag": false})),
+            )
+            .unwrap();
+        assert!(overridden.starts_with("<B>||False|"), "{overridden}");
+    }
+
+    #[test]
+    fn tojson_follows_python_json_dumps() {
+        let template = ChatTemplate::new(
+            "{{ v | tojson }}\n{{ v | tojson(indent=2) }}\n{{ v | tojson(separators=(',', ':'), sort_keys=true) }}\n{{ s | tojson }}|{{ s | tojson(ensure_ascii=true) }}",
+            None,
+            None,
+        )
+        .unwrap();
+        let vars = extra(json!({
+            "v": {"b": [1, 2.5, 1e20, 0.0001, 3.0], "a": {}, "c": [], "d": null, "e": true},
+            "s": "é\"\n😀"
+        }));
+        let rendered = template.render(&[], false, &vars).unwrap();
+        let expected = [
+            r#"{"b": [1, 2.5, 1e+20, 0.0001, 3.0], "a": {}, "c": [], "d": null, "e": true}"#,
+            "{\n  \"b\": [\n    1,\n    2.5,\n    1e+20,\n    0.0001,\n    3.0\n  ],\n  \"a\": {},\n  \"c\": [],\n  \"d\": null,\n  \"e\": true\n}",
+            r#"{"a":{},"b":[1,2.5,1e+20,0.0001,3.0],"c":[],"d":null,"e":true}"#,
+            r#""é\"\n😀"|"\u00e9\"\n\ud83d\ude00""#,
+        ]
+        .join("\n");
+        assert_eq!(rendered, expected);
+    }
+
+    #[test]
+    fn python_float_reprs() {
+        let cases = [
+            (1.0, "1.0"),
+            (-0.0, "-0.0"),
+            (0.1, "0.1"),
+            (123.456, "123.456"),
+            (1e16, "1e+16"),
+            (1.5e16, "1.5e+16"),
+            (9999999999999998.0, "9999999999999998.0"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (-2.5e-7, "-2.5e-07"),
+            (1e300, "1e+300"),
+            (f64::NAN, "NaN"),
+            (f64::NEG_INFINITY, "-Infinity"),
+        ];
+        for (x, expected) in cases {
+            assert_eq!(python_float_repr(x), expected, "{x}");
+        }
+    }
+
+    #[test]
+    fn strftime_subset_in_utc() {
+        // 2024-02-29T13:05:09Z, a Thursday in a leap year.
+        let seconds = 1_709_211_909;
+        assert_eq!(
+            format_utc("%Y-%m-%d %H:%M:%S %a %A %b %B %j %y %I%p %e %% %Q", seconds),
+            "2024-02-29 13:05:09 Thu Thursday Feb February 060 24 01PM 29 % %Q"
+        );
+        assert_eq!(format_utc("%d %b %Y", 0), "01 Jan 1970");
+        // 2000-12-31T23:59:59Z: day 366 of a leap century year.
+        assert_eq!(
+            format_utc("%F %T %j %A", 978_307_199),
+            "2000-12-31 23:59:59 366 Sunday"
+        );
+    }
+
+    #[test]
+    fn compile_and_render_errors() {
+        let err = ChatTemplate::new("{% if %}", None, None).unwrap_err();
+        assert!(matches!(err, ChatTemplateError::Compile { .. }), "{err}");
+        let template = ChatTemplate::new("{{ messages[0].content.nope() }}", None, None).unwrap();
+        let err = template
+            .render(&messages(&[("user", "x")]), false, &no_extra())
+            .unwrap_err();
+        assert!(matches!(err, ChatTemplateError::Render { .. }), "{err}");
+    }
+}

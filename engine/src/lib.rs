@@ -2,8 +2,17 @@
 //! resolving and loading targets, tokenization and chat templates, sampling, the decode loops.
 
 pub mod chat_template;
+pub mod convert;
 pub mod detokenize;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod loading;
+pub mod model_source;
 pub mod runtime;
 pub mod sampling;
 pub mod stop;
+pub mod tiny_model;
 pub mod tokenizer;
+
+pub use error::EngineError;

@@ -1,1 +1,98 @@
-//! (being written)
+//! What MLX runtime this process got: the libmlx actually loaded (the linked CPU
+//! build, or a CUDA/Metal one through LD_LIBRARY_PATH), its version and default device.
+
+use std::ffi::CStr;
+
+use mlx_rs::{Device, DeviceType, Dtype};
+
+/// MLX's version string as reported by the loaded libmlx.
+pub fn mlx_version() -> String {
+    // SAFETY: mlx_string_new/mlx_version/mlx_string_data/mlx_string_free are used as
+    // mlx-c documents: the string is owned here and freed after copying it out.
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        let status = mlx_sys::mlx_version(&mut s);
+        let data = mlx_sys::mlx_string_data(s);
+        let version = if status == 0 && !data.is_null() {
+            CStr::from_ptr(data).to_string_lossy().into_owned()
+        } else {
+            "unknown".to_string()
+        };
+        mlx_sys::mlx_string_free(s);
+        version
+    }
+}
+
+/// The default device kind MLX picked: GPU when the loaded libmlx has a usable one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl Backend {
+    pub fn detect() -> Backend {
+        let is_gpu = matches!(
+            Device::try_default().ok().and_then(|d| d.get_type().ok()),
+            Some(DeviceType::Gpu)
+        );
+        if !is_gpu {
+            return Backend::Cpu;
+        }
+        let mut cuda = false;
+        // SAFETY: writes one bool.
+        let status = unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) };
+        if status == 0 && cuda {
+            Backend::Cuda
+        } else {
+            Backend::Metal
+        }
+    }
+
+    pub fn device_name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "gpu (cuda)",
+            Backend::Metal => "gpu (metal)",
+        }
+    }
+
+    /// `--dtype auto`: f32 on the CPU backend, where bf16 decodes about 3× slower
+    /// (measured on this project's dev machines); the checkpoint's own dtype on a GPU.
+    pub fn auto_dtype(self) -> Option<Dtype> {
+        match self {
+            Backend::Cpu => Some(Dtype::Float32),
+            Backend::Cuda | Backend::Metal => None,
+        }
+    }
+}
+
+/// The multi-line text of `dspec --version`.
+pub fn version_report() -> String {
+    let backend = Backend::detect();
+    format!(
+        "dspec {}\nmlx {}\ndevice {}\nlinked libmlx {} (CPU BLAS: {})",
+        env!("CARGO_PKG_VERSION"),
+        mlx_version(),
+        backend.device_name(),
+        mlx_sys::LINKED_LIBMLX_DIR,
+        mlx_sys::LINKED_BLAS,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_the_pinned_mlx_version() {
+        assert_eq!(mlx_version(), "0.32.2");
+    }
+
+    #[test]
+    fn auto_dtype_is_f32_on_cpu_and_checkpoint_dtype_on_gpu() {
+        assert_eq!(Backend::Cpu.auto_dtype(), Some(Dtype::Float32));
+        assert_eq!(Backend::Cuda.auto_dtype(), None);
+    }
+}

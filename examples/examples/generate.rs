@@ -11,10 +11,15 @@ use dspec_plugin_api::LoadOptions;
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let dir = args.next().ok_or_else(|| anyhow::anyhow!("usage: generate MODEL_DIR [PROMPT]"))?;
+    let dir = args
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("usage: generate MODEL_DIR [PROMPT]"))?;
     let prompt = args.next().unwrap_or_else(|| "Once upon a time".into());
 
-    let options = LoadOptions { dtype: Backend::detect().auto_dtype(), quantize: None };
+    let options = LoadOptions {
+        dtype: Backend::detect().auto_dtype(),
+        quantize: None,
+    };
     let loaded = load_model(&dir, &builtin_registry()?, &options, false)?;
     let ids = loaded.tokenizer.encode_prompt(&prompt, false)?;
     let config = GenerationConfig {
@@ -23,10 +28,19 @@ fn main() -> anyhow::Result<()> {
         stop_strings: vec![],
         eos_ids: loaded.tokenizer.eos_token_ids().to_vec(),
     };
-    let out = generate(loaded.model.as_ref(), &loaded.tokenizer, &ids, &config, &mut |piece| {
-        print!("{piece}");
-        let _ = std::io::stdout().flush();
-    })?;
-    println!("\n{} tokens at {:.1} tok/s", out.stats.generated_tokens, out.stats.decode_tokens_per_second);
+    let out = generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &ids,
+        &config,
+        &mut |piece| {
+            print!("{piece}");
+            let _ = std::io::stdout().flush();
+        },
+    )?;
+    println!(
+        "\n{} tokens at {:.1} tok/s",
+        out.stats.generated_tokens, out.stats.decode_tokens_per_second
+    );
     Ok(())
 }

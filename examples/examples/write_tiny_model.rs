@@ -3,9 +3,11 @@
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let dir = args.next().ok_or_else(|| anyhow::anyhow!("usage: write_tiny_model OUT_DIR [CONFIG_OVERRIDES_JSON]"))?;
+    let dir = args.next().ok_or_else(|| {
+        anyhow::anyhow!("usage: write_tiny_model OUT_DIR [CONFIG_OVERRIDES_JSON]")
+    })?;
     let overrides = args.next().unwrap_or_else(|| "{}".into());
-    dspec_examples::write_tiny_model(std::path::Path::new(&dir), &overrides, 0)?;
+    dspec_engine::tiny_model::write_tiny_model(std::path::Path::new(&dir), &overrides, 0)?;
     println!("wrote a tiny random model to {dir}");
     Ok(())
 }

@@ -1,6 +1,11 @@
 //! Raw bindings to mlx-c 0.7.0, built against MLX 0.32.2 (see build.rs).
 //! Drop-in for the crates.io `mlx-sys` 0.7.0 that mlx-rs pins, but portable to Linux.
-#![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, clippy::all)]
+#![allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    clippy::all
+)]
 
 include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 

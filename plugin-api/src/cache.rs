@@ -49,7 +49,10 @@ impl KvCache {
         k_buf.try_index_mut((.., .., self.offset..end), keys)?;
         v_buf.try_index_mut((.., .., self.offset..end), values)?;
         self.offset = end;
-        Ok((k_buf.try_index((.., .., ..end))?, v_buf.try_index((.., .., ..end))?))
+        Ok((
+            k_buf.try_index((.., .., ..end))?,
+            v_buf.try_index((.., .., ..end))?,
+        ))
     }
 
     /// Forgets the last `n` positions (clamped to what is there); returns how many were dropped.
@@ -94,7 +97,9 @@ pub struct ModelCache {
 
 impl ModelCache {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: (0..num_layers).map(|_| KvCache::new()).collect() }
+        Self {
+            layers: (0..num_layers).map(|_| KvCache::new()).collect(),
+        }
     }
 
     /// Tokens currently held (all layers agree).

@@ -26,31 +26,53 @@ fn tokens_array(tokens: &[u32]) -> Array {
 /// Largest |a − b| and the bound it must stay under.
 fn compare(a: &Array, b: &Array, what: &str) -> Result<(), String> {
     if a.shape() != b.shape() {
-        return Err(format!("{what}: shapes differ, {:?} vs {:?}", a.shape(), b.shape()));
+        return Err(format!(
+            "{what}: shapes differ, {:?} vs {:?}",
+            a.shape(),
+            b.shape()
+        ));
     }
-    let a32 = a.as_dtype(mlx_rs::Dtype::Float32).map_err(|e| fail(what, e))?;
-    let b32 = b.as_dtype(mlx_rs::Dtype::Float32).map_err(|e| fail(what, e))?;
-    let diff = max(abs(subtract(&a32, &b32).map_err(|e| fail(what, e))?).map_err(|e| fail(what, e))?, None)
-        .map_err(|e| fail(what, e))?
-        .try_item_cast::<f32>()
+    let a32 = a
+        .as_dtype(mlx_rs::Dtype::Float32)
         .map_err(|e| fail(what, e))?;
+    let b32 = b
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .map_err(|e| fail(what, e))?;
+    let diff = max(
+        abs(subtract(&a32, &b32).map_err(|e| fail(what, e))?).map_err(|e| fail(what, e))?,
+        None,
+    )
+    .map_err(|e| fail(what, e))?
+    .try_item_cast::<f32>()
+    .map_err(|e| fail(what, e))?;
     let scale = max(abs(&b32).map_err(|e| fail(what, e))?, None).map_err(|e| fail(what, e))?;
     let scale = scale.try_item_cast::<f32>().map_err(|e| fail(what, e))?;
     let bound = ATOL + RTOL * scale;
     if !(diff <= bound) {
-        return Err(format!("{what}: max |difference| {diff:e} exceeds {bound:e} (values up to {scale})"));
+        return Err(format!(
+            "{what}: max |difference| {diff:e} exceeds {bound:e} (values up to {scale})"
+        ));
     }
     Ok(())
 }
 
-fn run(model: &dyn TargetModel, cache: &mut ModelCache, tokens: &[u32], taps: &[usize]) -> Result<(Array, Option<Array>), String> {
-    let out = model.forward(&tokens_array(tokens), cache, taps).map_err(|e| fail("forward", e))?;
+fn run(
+    model: &dyn TargetModel,
+    cache: &mut ModelCache,
+    tokens: &[u32],
+    taps: &[usize],
+) -> Result<(Array, Option<Array>), String> {
+    let out = model
+        .forward(&tokens_array(tokens), cache, taps)
+        .map_err(|e| fail("forward", e))?;
     Ok((out.logits, out.hidden))
 }
 
 /// A deterministic token sequence that uses ids across the vocabulary.
 pub fn probe_tokens(vocab: usize, len: usize) -> Vec<u32> {
-    (0..len).map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32).collect()
+    (0..len)
+        .map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32)
+        .collect()
 }
 
 /// Runs every check on `model`; returns the first failure with what was compared.
@@ -65,27 +87,51 @@ pub fn check_target_model(model: &dyn TargetModel) -> Result<(), String> {
     let mut cache = model.new_cache();
     let (full_logits, full_hidden) = run(model, &mut cache, &tokens, &taps)?;
     if full_logits.shape() != [1, n as i32, info.vocab_size as i32] {
-        return Err(format!("logits shape {:?}, expected [1, {n}, {}]", full_logits.shape(), info.vocab_size));
+        return Err(format!(
+            "logits shape {:?}, expected [1, {n}, {}]",
+            full_logits.shape(),
+            info.vocab_size
+        ));
     }
     if cache.offset() != n {
-        return Err(format!("cache holds {} positions after a {n}-token forward", cache.offset()));
+        return Err(format!(
+            "cache holds {} positions after a {n}-token forward",
+            cache.offset()
+        ));
     }
     let full_hidden = full_hidden.ok_or("forward with taps returned no hidden states")?;
     if full_hidden.shape() != [1, n as i32, (taps.len() * info.hidden_size) as i32] {
-        return Err(format!("taps shape {:?}, expected [1, {n}, {}]", full_hidden.shape(), taps.len() * info.hidden_size));
+        return Err(format!(
+            "taps shape {:?}, expected [1, {n}, {}]",
+            full_hidden.shape(),
+            taps.len() * info.hidden_size
+        ));
     }
 
     // The last layer's tap is the final pre-norm hidden state: norm + head reproduce the logits.
     let h = info.hidden_size as i32;
-    let last_tap = full_hidden.try_index((.., .., h..2 * h)).map_err(|e| fail("slice taps", e))?;
-    let normed = model.final_norm(&last_tap).map_err(|e| fail("final_norm", e))?;
+    let last_tap = full_hidden
+        .try_index((.., .., h..2 * h))
+        .map_err(|e| fail("slice taps", e))?;
+    let normed = model
+        .final_norm(&last_tap)
+        .map_err(|e| fail("final_norm", e))?;
     let relogits = model.lm_head(&normed).map_err(|e| fail("lm_head", e))?;
-    compare(&relogits, &full_logits, "lm_head(final_norm(last tap)) vs forward logits")?;
+    compare(
+        &relogits,
+        &full_logits,
+        "lm_head(final_norm(last tap)) vs forward logits",
+    )?;
 
     // Embedding shape.
-    let emb = model.embed(&tokens_array(&tokens)).map_err(|e| fail("embed", e))?;
+    let emb = model
+        .embed(&tokens_array(&tokens))
+        .map_err(|e| fail("embed", e))?;
     if emb.shape() != [1, n as i32, h] {
-        return Err(format!("embed shape {:?}, expected [1, {n}, {h}]", emb.shape()));
+        return Err(format!(
+            "embed shape {:?}, expected [1, {n}, {h}]",
+            emb.shape()
+        ));
     }
 
     // Incremental decoding in uneven chunks equals the single forward, logits and taps.
@@ -101,24 +147,45 @@ pub fn check_target_model(model: &dyn TargetModel) -> Result<(), String> {
     }
     let inc_logits = concatenate(&logits, 1).map_err(|e| fail("concat", e))?;
     let inc_hidden = concatenate(&hidden, 1).map_err(|e| fail("concat", e))?;
-    compare(&inc_logits, &full_logits, "incremental logits vs single forward")?;
-    compare(&inc_hidden, &full_hidden, "incremental taps vs single forward")?;
+    compare(
+        &inc_logits,
+        &full_logits,
+        "incremental logits vs single forward",
+    )?;
+    compare(
+        &inc_hidden,
+        &full_hidden,
+        "incremental taps vs single forward",
+    )?;
 
     // Trim then replay different tokens == never having seen the trimmed ones.
     let keep = 7;
-    let alt: Vec<u32> = tokens[keep..].iter().map(|t| (t + 1) % info.vocab_size as u32).collect();
+    let alt: Vec<u32> = tokens[keep..]
+        .iter()
+        .map(|t| (t + 1) % info.vocab_size as u32)
+        .collect();
     let mut cache = model.new_cache();
     run(model, &mut cache, &tokens, &[])?;
     let trimmed = cache.trim(n - keep);
     if trimmed != n - keep || cache.offset() != keep {
-        return Err(format!("trim({}) dropped {trimmed}, cache holds {}", n - keep, cache.offset()));
+        return Err(format!(
+            "trim({}) dropped {trimmed}, cache holds {}",
+            n - keep,
+            cache.offset()
+        ));
     }
     let (replayed, _) = run(model, &mut cache, &alt, &[])?;
     let mut fresh_seq = tokens[..keep].to_vec();
     fresh_seq.extend(&alt);
     let mut fresh_cache = model.new_cache();
     let (fresh, _) = run(model, &mut fresh_cache, &fresh_seq, &[])?;
-    let fresh_tail = fresh.try_index((.., keep as i32..)).map_err(|e| fail("slice", e))?;
-    compare(&replayed, &fresh_tail, "logits after trim+replay vs a fresh forward")?;
+    let fresh_tail = fresh
+        .try_index((.., keep as i32..))
+        .map_err(|e| fail("slice", e))?;
+    compare(
+        &replayed,
+        &fresh_tail,
+        "logits after trim+replay vs a fresh forward",
+    )?;
     Ok(())
 }

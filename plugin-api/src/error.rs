@@ -15,17 +15,35 @@ pub enum ModelError {
         source: std::io::Error,
     },
 
-    #[error("{path}: not a valid safetensors file ({reason}); re-download or re-convert the model")]
+    #[error(
+        "{path}: not a valid safetensors file ({reason}); re-download or re-convert the model"
+    )]
     CorruptWeights { path: PathBuf, reason: String },
 
     #[error("tensor `{name}` is missing from the weights in {dir} (expected shape {expected:?}); the checkpoint does not match its config.json")]
-    MissingTensor { name: String, dir: PathBuf, expected: Vec<i32> },
+    MissingTensor {
+        name: String,
+        dir: PathBuf,
+        expected: Vec<i32>,
+    },
 
-    #[error("tensor `{name}` in {file} has shape {actual:?}, but config.json implies {expected:?}")]
-    ShapeMismatch { name: String, file: PathBuf, expected: Vec<i32>, actual: Vec<i32> },
+    #[error(
+        "tensor `{name}` in {file} has shape {actual:?}, but config.json implies {expected:?}"
+    )]
+    ShapeMismatch {
+        name: String,
+        file: PathBuf,
+        expected: Vec<i32>,
+        actual: Vec<i32>,
+    },
 
     #[error("tensor `{name}` in {file} has dtype {dtype}, which dspec cannot load as {wanted}")]
-    UnsupportedDtype { name: String, file: PathBuf, dtype: String, wanted: String },
+    UnsupportedDtype {
+        name: String,
+        file: PathBuf,
+        dtype: String,
+        wanted: String,
+    },
 
     #[error("{0}")]
     Unsupported(String),
@@ -34,10 +52,18 @@ pub enum ModelError {
         "no adapter for model_type `{model_type}` (from {path}).\nRegistered model types: {registered}.\n\
          To add one, write a family file in adapters/src/ (copy the closest one) or load a plugin with --plugin."
     )]
-    UnknownModelType { model_type: String, path: PathBuf, registered: String },
+    UnknownModelType {
+        model_type: String,
+        path: PathBuf,
+        registered: String,
+    },
 
     #[error("model_type `{key}` is registered twice: by {first} and by {second}")]
-    DuplicateRegistration { key: String, first: String, second: String },
+    DuplicateRegistration {
+        key: String,
+        first: String,
+        second: String,
+    },
 
     #[error("MLX error: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
@@ -50,6 +76,9 @@ pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
 impl ModelError {
     pub fn config(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
-        ModelError::Config { path: path.into(), message: message.into() }
+        ModelError::Config {
+            path: path.into(),
+            message: message.into(),
+        }
     }
 }

@@ -38,7 +38,9 @@ impl fmt::Display for AdapterSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AdapterSource::BuiltIn => f.write_str("built-in"),
-            AdapterSource::Plugin { path, abi_version } => write!(f, "plugin {} (ABI v{abi_version})", path.display()),
+            AdapterSource::Plugin { path, abi_version } => {
+                write!(f, "plugin {} (ABI v{abi_version})", path.display())
+            }
         }
     }
 }
@@ -86,7 +88,8 @@ impl AdapterRegistry {
     /// Every adapter linked into this binary.
     pub fn builtin() -> Result<Self> {
         let mut registry = Self::default();
-        let mut regs: Vec<&AdapterRegistration> = inventory::iter::<AdapterRegistration>.into_iter().collect();
+        let mut regs: Vec<&AdapterRegistration> =
+            inventory::iter::<AdapterRegistration>.into_iter().collect();
         regs.sort_by_key(|r| r.name);
         for r in regs {
             registry.add(AdapterEntry::from_registration(r), false)?;
@@ -98,7 +101,11 @@ impl AdapterRegistry {
     /// `replace` is set, in which case the new entry takes those keys over.
     pub fn add(&mut self, entry: AdapterEntry, replace: bool) -> Result<()> {
         for key in &entry.model_types {
-            if let Some(owner) = self.entries.iter_mut().find(|e| e.model_types.contains(key)) {
+            if let Some(owner) = self
+                .entries
+                .iter_mut()
+                .find(|e| e.model_types.contains(key))
+            {
                 if !replace {
                     return Err(ModelError::DuplicateRegistration {
                         key: key.clone(),
@@ -120,7 +127,11 @@ impl AdapterRegistry {
 
     /// All model_type keys, sorted, for messages.
     pub fn model_types(&self) -> Vec<String> {
-        let mut keys: Vec<String> = self.entries.iter().flat_map(|e| e.model_types.iter().cloned()).collect();
+        let mut keys: Vec<String> = self
+            .entries
+            .iter()
+            .flat_map(|e| e.model_types.iter().cloned())
+            .collect();
         keys.sort();
         keys
     }
@@ -134,36 +145,81 @@ impl AdapterRegistry {
                 "not found: --target must be a model directory with config.json, tokenizer.json and *.safetensors",
             ));
         }
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
-        let config: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
-        let model_type = config["model_type"].as_str().unwrap_or_default().to_string();
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let config: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
+        let model_type = config["model_type"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
         let architectures: Vec<String> = config["architectures"]
             .as_array()
-            .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
             .unwrap_or_default();
 
         let found = self
             .entries
             .iter()
             .find(|e| e.model_types.contains(&model_type))
-            .map(|e| (e, format!("model_type \"{model_type}\" is owned by adapter {} ({})", e.name, e.source)))
+            .map(|e| {
+                (
+                    e,
+                    format!(
+                        "model_type \"{model_type}\" is owned by adapter {} ({})",
+                        e.name, e.source
+                    ),
+                )
+            })
             .or_else(|| {
-                self.entries.iter().find(|e| e.aliases.contains(&model_type)).map(|e| {
-                    (e, format!("model_type \"{model_type}\" is an alias of adapter {} ({})", e.name, e.source))
-                })
+                self.entries
+                    .iter()
+                    .find(|e| e.aliases.contains(&model_type))
+                    .map(|e| {
+                        (
+                            e,
+                            format!(
+                                "model_type \"{model_type}\" is an alias of adapter {} ({})",
+                                e.name, e.source
+                            ),
+                        )
+                    })
             })
             .or_else(|| {
                 architectures.iter().find_map(|arch| {
-                    self.entries.iter().find(|e| e.architectures.contains(arch)).map(|e| {
-                        (e, format!("architecture \"{arch}\" is handled by adapter {} ({})", e.name, e.source))
-                    })
+                    self.entries
+                        .iter()
+                        .find(|e| e.architectures.contains(arch))
+                        .map(|e| {
+                            (
+                                e,
+                                format!(
+                                    "architecture \"{arch}\" is handled by adapter {} ({})",
+                                    e.name, e.source
+                                ),
+                            )
+                        })
                 })
             });
         match found {
-            Some((adapter, reason)) => Ok(Detection { adapter, model_type, reason, config }),
+            Some((adapter, reason)) => Ok(Detection {
+                adapter,
+                model_type,
+                reason,
+                config,
+            }),
             None => Err(ModelError::UnknownModelType {
-                model_type: if model_type.is_empty() { "<missing>".into() } else { model_type },
+                model_type: if model_type.is_empty() {
+                    "<missing>".into()
+                } else {
+                    model_type
+                },
                 path,
                 registered: self.model_types().join(", "),
             }),
@@ -190,8 +246,14 @@ mod tests {
     fn duplicate_model_type_is_rejected_unless_replacing() {
         let mut reg = AdapterRegistry::default();
         reg.add(entry("a", &["foo", "bar"]), false).unwrap();
-        let err = reg.add(entry("b", &["bar"]), false).err().expect("duplicate must fail");
-        assert!(err.to_string().contains("`bar` is registered twice"), "{err}");
+        let err = reg
+            .add(entry("b", &["bar"]), false)
+            .err()
+            .expect("duplicate must fail");
+        assert!(
+            err.to_string().contains("`bar` is registered twice"),
+            "{err}"
+        );
         reg.add(entry("b", &["bar"]), true).unwrap();
         assert_eq!(reg.entries().len(), 2);
         assert_eq!(reg.entries()[0].model_types, vec!["foo".to_string()]);
@@ -203,10 +265,20 @@ mod tests {
         std::fs::write(dir.path().join("config.json"), r#"{"model_type": "nope"}"#).unwrap();
         let mut reg = AdapterRegistry::default();
         reg.add(entry("a", &["foo"]), false).unwrap();
-        let err = reg.detect(dir.path()).err().expect("unknown must fail").to_string();
-        assert!(err.contains("`nope`") && err.contains("foo") && err.contains("adapters/src"), "{err}");
-        std::fs::write(dir.path().join("config.json"), r#"{"model_type": "x", "architectures": ["FooForCausalLM"]}"#)
-            .unwrap();
+        let err = reg
+            .detect(dir.path())
+            .err()
+            .expect("unknown must fail")
+            .to_string();
+        assert!(
+            err.contains("`nope`") && err.contains("foo") && err.contains("adapters/src"),
+            "{err}"
+        );
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"model_type": "x", "architectures": ["FooForCausalLM"]}"#,
+        )
+        .unwrap();
         let found = reg.detect(dir.path()).unwrap();
         assert!(found.reason.contains("architecture"), "{}", found.reason);
     }
@@ -214,7 +286,14 @@ mod tests {
     #[test]
     fn detect_without_config_names_the_file() {
         let dir = tempfile::tempdir().unwrap();
-        let err = AdapterRegistry::default().detect(dir.path()).err().unwrap().to_string();
-        assert!(err.contains("config.json") && err.contains("not found"), "{err}");
+        let err = AdapterRegistry::default()
+            .detect(dir.path())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("config.json") && err.contains("not found"),
+            "{err}"
+        );
     }
 }

@@ -44,7 +44,12 @@ pub trait TargetModel: Send {
     /// Runs `tokens` (`[1, L]`, integer ids) after whatever `cache` holds, appending
     /// their keys/values to it. `taps` are decoder layer ids (0-based; layer `i`'s
     /// tap is the residual stream after layer `i`), captured before the final norm.
-    fn forward(&self, tokens: &Array, cache: &mut ModelCache, taps: &[usize]) -> Result<ForwardOutput>;
+    fn forward(
+        &self,
+        tokens: &Array,
+        cache: &mut ModelCache,
+        taps: &[usize],
+    ) -> Result<ForwardOutput>;
 
     /// Token embedding as the first decoder layer sees it (family scaling included),
     /// `[1, L] -> [1, L, hidden]`.

@@ -27,7 +27,10 @@ pub trait WeightSource {
 }
 
 fn is_float(dtype: Dtype) -> bool {
-    matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float64)
+    matches!(
+        dtype,
+        Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float64
+    )
 }
 
 /// A tensor's entry in a safetensors header.
@@ -41,15 +44,24 @@ struct HeaderEntry {
 /// range must lie inside the file and match its dtype and shape. MLX loads lazily and
 /// would otherwise fail (or read garbage) only when a truncated tensor is first used.
 fn read_header(path: &Path) -> Result<BTreeMap<String, HeaderEntry>> {
-    let corrupt = |reason: String| ModelError::CorruptWeights { path: path.to_path_buf(), reason };
-    let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+    let corrupt = |reason: String| ModelError::CorruptWeights {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut file = File::open(path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
     let mut len_bytes = [0u8; 8];
-    file.read_exact(&mut len_bytes).map_err(|_| corrupt("shorter than its 8-byte header length".into()))?;
+    file.read_exact(&mut len_bytes)
+        .map_err(|_| corrupt("shorter than its 8-byte header length".into()))?;
     let header_len = u64::from_le_bytes(len_bytes);
     if header_len > 100 * 1024 * 1024 || 8 + header_len > file_len {
-        return Err(corrupt(format!("header length {header_len} does not fit in a {file_len}-byte file")));
+        return Err(corrupt(format!(
+            "header length {header_len} does not fit in a {file_len}-byte file"
+        )));
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(io)?;
@@ -103,23 +115,36 @@ fn read_header(path: &Path) -> Result<BTreeMap<String, HeaderEntry>> {
 fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io { path: index.clone(), source })?;
-        let parsed: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ModelError::config(&index, format!("invalid JSON: {e}")))?;
+        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io {
+            path: index.clone(),
+            source,
+        })?;
+        let parsed: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::config(&index, format!("invalid JSON: {e}")))?;
         let map = parsed["weight_map"]
             .as_object()
             .ok_or_else(|| ModelError::config(&index, "has no `weight_map` object"))?;
-        let mut files: Vec<PathBuf> = map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(|v| v.as_str())
+            .map(|f| dir.join(f))
+            .collect();
         files.sort();
         files.dedup();
         for f in &files {
             if !f.is_file() {
-                return Err(ModelError::config(&index, format!("lists shard {} which does not exist", f.display())));
+                return Err(ModelError::config(
+                    &index,
+                    format!("lists shard {} which does not exist", f.display()),
+                ));
             }
         }
         return Ok(files);
     }
-    let listing = std::fs::read_dir(dir).map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?;
+    let listing = std::fs::read_dir(dir).map_err(|source| ModelError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let mut files: Vec<PathBuf> = listing
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
@@ -149,15 +174,20 @@ impl Weights {
         let mut tensors = HashMap::new();
         for file in checkpoint_files(dir)? {
             let header = read_header(&file)?;
-            let arrays = Array::load_safetensors(&file)
-                .map_err(|e| ModelError::MlxIo { path: file.clone(), message: e.to_string() })?;
+            let arrays = Array::load_safetensors(&file).map_err(|e| ModelError::MlxIo {
+                path: file.clone(),
+                message: e.to_string(),
+            })?;
             for (name, array) in arrays {
                 if let Some(entry) = header.get(&name) {
                     let stored: Vec<i64> = array.shape().iter().map(|&d| d as i64).collect();
                     if stored != entry.shape {
                         return Err(ModelError::CorruptWeights {
                             path: file.clone(),
-                            reason: format!("tensor `{name}` ({}) read back with a different shape", entry.dtype),
+                            reason: format!(
+                                "tensor `{name}` ({}) read back with a different shape",
+                                entry.dtype
+                            ),
                         });
                     }
                 }
@@ -165,7 +195,13 @@ impl Weights {
             }
         }
         let total = tensors.len();
-        Ok(Self { dir: dir.to_path_buf(), options: options.clone(), tensors, taken: 0, total })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            options: options.clone(),
+            tensors,
+            taken: 0,
+            total,
+        })
     }
 
     /// Tensors handed out so far (for progress reports).
@@ -186,11 +222,14 @@ impl Weights {
     }
 
     fn take(&mut self, name: &str, expected: &[i32]) -> Result<(PathBuf, Array)> {
-        let found = self.tensors.remove(name).ok_or_else(|| ModelError::MissingTensor {
-            name: name.to_string(),
-            dir: self.dir.clone(),
-            expected: expected.to_vec(),
-        })?;
+        let found = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                dir: self.dir.clone(),
+                expected: expected.to_vec(),
+            })?;
         self.taken += 1;
         Ok(found)
     }
@@ -245,7 +284,12 @@ pub struct RandomWeights {
 
 impl RandomWeights {
     pub fn new(seed: u64) -> Result<Self> {
-        Ok(Self { options: LoadOptions::default(), seed, counter: 0, created: BTreeMap::new() })
+        Ok(Self {
+            options: LoadOptions::default(),
+            seed,
+            counter: 0,
+            created: BTreeMap::new(),
+        })
     }
 
     /// Writes everything created so far as `model.safetensors` in `dir`. With
@@ -269,8 +313,12 @@ impl RandomWeights {
             }
         }
         let path = dir.join("model.safetensors");
-        Array::save_safetensors(out.iter().map(|(n, a)| (n.as_str(), a)), None, &path)
-            .map_err(|e| ModelError::MlxIo { path, message: e.to_string() })
+        Array::save_safetensors(out.iter().map(|(n, a)| (n.as_str(), a)), None, &path).map_err(
+            |e| ModelError::MlxIo {
+                path,
+                message: e.to_string(),
+            },
+        )
     }
 }
 
@@ -281,13 +329,19 @@ impl WeightSource for RandomWeights {
         }
         self.counter += 1;
         // One key per tensor, in creation order: the same model code gives the same weights.
-        let key = random::key(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(self.counter))?;
+        let key = random::key(
+            self.seed
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .wrapping_add(self.counter),
+        )?;
         let noise = random::normal::<f32>(shape, None, None, Some(&key))?;
         // Norm weights near their neutral value keep activations in a sane range;
         // other weights get the usual small init.
         let is_norm = name.contains("norm") && shape.len() == 1;
         let array = if is_norm {
-            noise.multiply(Array::from_f32(0.1))?.add(Array::from_f32(1.0))?
+            noise
+                .multiply(Array::from_f32(0.1))?
+                .add(Array::from_f32(1.0))?
         } else {
             let fan_in = *shape.last().unwrap_or(&1) as f32;
             noise.multiply(Array::from_f32(1.0 / fan_in.sqrt()))?
@@ -302,10 +356,9 @@ impl WeightSource for RandomWeights {
     }
 
     fn raw(&mut self, name: &str) -> Result<Array> {
-        self.created
-            .get(name)
-            .cloned()
-            .ok_or_else(|| ModelError::Unsupported(format!("random weights have no raw tensor `{name}`")))
+        self.created.get(name).cloned().ok_or_else(|| {
+            ModelError::Unsupported(format!("random weights have no raw tensor `{name}`"))
+        })
     }
 
     fn options(&self) -> &LoadOptions {

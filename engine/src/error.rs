@@ -1,0 +1,35 @@
+//! The engine's error type: every failure a user can cause, with what to do about it.
+
+use dspec_plugin_api::ModelError;
+
+use crate::chat_template::ChatTemplateError;
+use crate::model_source::SourceError;
+use crate::tokenizer::TokenizerError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    ChatTemplate(#[from] ChatTemplateError),
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error("MLX error: {0}")]
+    Mlx(String),
+    #[error("the prompt is empty after tokenization; give a non-empty --prompt")]
+    EmptyPrompt,
+    #[error(
+        "the prompt has {prompt} tokens but the model's context is {limit}; shorten the prompt"
+    )]
+    PromptTooLong { prompt: usize, limit: usize },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl From<mlx_rs::error::Exception> for EngineError {
+    fn from(e: mlx_rs::error::Exception) -> Self {
+        EngineError::Mlx(e.to_string())
+    }
+}

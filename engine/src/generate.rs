@@ -1,0 +1,245 @@
+//! Plain (non-speculative) decoding: prefill, then one target forward per token,
+//! streaming text as it is committed and stopping exactly on EOS, stop strings,
+//! `max_tokens` or the context limit.
+
+use std::time::Instant;
+
+use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
+use mlx_rs::transforms::async_eval;
+use mlx_rs::{Array, Dtype};
+use serde::Serialize;
+
+use dspec_plugin_api::{ModelCache, TargetModel};
+
+use crate::detokenize::StreamDecoder;
+use crate::error::EngineError;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::stop::StopMatcher;
+use crate::tokenizer::TextTokenizer;
+
+/// Prompts longer than this are prefilled in chunks to bound peak memory.
+const PREFILL_CHUNK: usize = 512;
+
+#[derive(Debug, Clone)]
+pub struct GenerationConfig {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop_strings: Vec<String>,
+    /// Token ids that end generation (not emitted as text).
+    pub eos_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    Eos,
+    StopString,
+    MaxTokens,
+    ContextLength,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_seconds: f64,
+    pub prefill_tokens_per_second: f64,
+    /// From the first generated token to the last.
+    pub decode_seconds: f64,
+    /// Tokens after the first, per second of decoding (the first comes from prefill).
+    pub decode_tokens_per_second: f64,
+    pub stop_reason: StopReason,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerationOutput {
+    pub text: String,
+    /// Generated ids, the EOS id included when generation ended on one.
+    pub tokens: Vec<u32>,
+    pub stats: GenerationStats,
+}
+
+/// Feeds `prompt` through the model (in chunks), returning the last position's logits.
+pub fn prefill(
+    model: &dyn TargetModel,
+    cache: &mut ModelCache,
+    prompt: &[u32],
+) -> Result<Array, EngineError> {
+    if prompt.is_empty() {
+        return Err(EngineError::EmptyPrompt);
+    }
+    let mut last = None;
+    for chunk in prompt.chunks(PREFILL_CHUNK) {
+        let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
+        let out = model.forward(&tokens, cache, &[])?;
+        let logits = out.logits.try_index((.., -1, ..))?;
+        // Evaluate per chunk so the graph (and activations) of a long prompt stay small.
+        mlx_rs::transforms::eval(std::iter::once(&logits).chain(cache.state()))?;
+        last = Some(logits);
+    }
+    last.ok_or(EngineError::EmptyPrompt)
+}
+
+/// Logits `[1, vocab]` → host `f32` values for sampling.
+pub fn logits_to_host(logits: &Array) -> Result<Vec<f32>, EngineError> {
+    let row = logits.as_dtype(Dtype::Float32)?;
+    row.eval()?;
+    Ok(row
+        .try_as_slice::<f32>()
+        .map_err(|e| EngineError::Mlx(e.to_string()))?
+        .to_vec())
+}
+
+/// Chooses the next token from `[1, vocab]` logits: on the device for greedy
+/// decoding (no host copy of the vocabulary), on the host for sampling.
+enum Picker {
+    Greedy,
+    Sample(Box<Sampler>),
+}
+
+impl Picker {
+    /// Returns the token as a lazy `[1, 1]` array (greedy) or an evaluated one.
+    fn pick(&mut self, logits: &Array) -> Result<Array, EngineError> {
+        match self {
+            Picker::Greedy => Ok(argmax_axis(logits, -1, true)?.as_dtype(Dtype::Uint32)?),
+            Picker::Sample(sampler) => {
+                let id = sampler.sample(&logits_to_host(logits)?);
+                Ok(Array::from_slice(&[id], &[1, 1]))
+            }
+        }
+    }
+}
+
+fn token_value(token: &Array) -> Result<u32, EngineError> {
+    Ok(token
+        .try_item_cast::<u32>()
+        .map_err(|e| EngineError::Mlx(e.to_string()))?)
+}
+
+/// Emits committed text through the detokenizer and stop-string matcher.
+struct TextSink<'a> {
+    tokenizer: &'a TextTokenizer,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    text: String,
+    on_text: &'a mut dyn FnMut(&str),
+}
+
+impl TextSink<'_> {
+    /// Returns true when a stop string completed.
+    fn push(&mut self, id: u32) -> Result<bool, EngineError> {
+        let piece = self.decoder.push(self.tokenizer, id)?;
+        let step = self.stops.push(&piece);
+        self.emit(&step.emit);
+        Ok(step.stopped)
+    }
+
+    fn finish(&mut self, stopped_on_string: bool) -> Result<(), EngineError> {
+        if stopped_on_string {
+            return Ok(());
+        }
+        let rest = self.decoder.finish(self.tokenizer)?;
+        let step = self.stops.push(&rest);
+        self.emit(&step.emit);
+        if !step.stopped {
+            let held = self.stops.finish();
+            self.emit(&held);
+        }
+        Ok(())
+    }
+
+    fn emit(&mut self, s: &str) {
+        if !s.is_empty() {
+            self.text.push_str(s);
+            (self.on_text)(s);
+        }
+    }
+}
+
+/// Generates from `prompt` with plain decoding, calling `on_text` with each committed piece.
+pub fn generate(
+    model: &dyn TargetModel,
+    tokenizer: &TextTokenizer,
+    prompt: &[u32],
+    config: &GenerationConfig,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerationOutput, EngineError> {
+    let context_limit = model.info().max_context.unwrap_or(usize::MAX);
+    if prompt.len() >= context_limit {
+        return Err(EngineError::PromptTooLong {
+            prompt: prompt.len(),
+            limit: context_limit,
+        });
+    }
+    let mut picker = if config.sampling.is_greedy() {
+        Picker::Greedy
+    } else {
+        Picker::Sample(Box::new(Sampler::new(config.sampling.clone())))
+    };
+    let mut sink = TextSink {
+        tokenizer,
+        decoder: StreamDecoder::new(true),
+        stops: StopMatcher::new(config.stop_strings.clone()),
+        text: String::new(),
+        on_text,
+    };
+    let mut cache = model.new_cache();
+    let mut tokens = Vec::new();
+
+    let start = Instant::now();
+    let mut next = picker.pick(&prefill(model, &mut cache, prompt)?)?;
+    let first_id = token_value(&next)?;
+    let prefill_seconds = start.elapsed().as_secs_f64();
+    let decode_start = Instant::now();
+
+    let mut current_id = first_id;
+    let stop_reason = loop {
+        tokens.push(current_id);
+        if config.eos_ids.contains(&current_id) {
+            break StopReason::Eos;
+        }
+        let done_by_count = tokens.len() >= config.max_tokens;
+        let done_by_context = prompt.len() + tokens.len() >= context_limit;
+        // Queue the next forward before reading text, so the device works while the
+        // host detokenizes (greedy decoding never waits on the host otherwise).
+        let queued = if done_by_count || done_by_context {
+            None
+        } else {
+            let logits = model
+                .forward(&next, &mut cache, &[])?
+                .logits
+                .try_index((.., -1, ..))?;
+            let token = picker.pick(&logits)?;
+            async_eval([&token])?;
+            Some(token)
+        };
+        if sink.push(current_id)? {
+            break StopReason::StopString;
+        }
+        match queued {
+            Some(token) => {
+                current_id = token_value(&token)?;
+                next = token;
+            }
+            None if done_by_count => break StopReason::MaxTokens,
+            None => break StopReason::ContextLength,
+        }
+    };
+    sink.finish(stop_reason == StopReason::StopString)?;
+    let decode_seconds = decode_start.elapsed().as_secs_f64();
+    let generated = tokens.len();
+    let stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        generated_tokens: generated,
+        prefill_seconds,
+        prefill_tokens_per_second: prompt.len() as f64 / prefill_seconds.max(1e-9),
+        decode_seconds,
+        decode_tokens_per_second: generated.saturating_sub(1) as f64 / decode_seconds.max(1e-9),
+        stop_reason,
+    };
+    Ok(GenerationOutput {
+        text: sink.text,
+        tokens,
+        stats,
+    })
+}

@@ -1,0 +1,410 @@
+//! The `dspec` binary end to end on tiny random models written by the tests:
+//! listing adapters, generating (streaming, JSON, stop strings), and every bad input
+//! a user can give getting a clear error instead of a panic.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use dspec_engine::tiny_model::write_tiny_model;
+
+fn dspec(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dspec"))
+        .args(args)
+        .output()
+        .expect("run dspec")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs dspec expecting failure; returns stderr after checking it is an error, not a panic.
+fn dspec_fails(args: &[&str]) -> String {
+    let out = dspec(args);
+    let err = stderr(&out);
+    assert!(
+        !out.status.success(),
+        "dspec {args:?} should fail; stdout: {}",
+        stdout(&out)
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "exit code of dspec {args:?}; stderr: {err}"
+    );
+    assert!(!err.contains("panicked"), "dspec {args:?} panicked: {err}");
+    assert!(err.starts_with("error: "), "dspec {args:?}: {err}");
+    err
+}
+
+fn tiny_model(overrides: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(dir.path(), overrides, 3).expect("write tiny model");
+    dir
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}
+
+#[test]
+fn version_reports_dspec_mlx_and_device() {
+    let out = dspec(&["--version"]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    assert!(
+        text.contains(&format!("dspec {}", env!("CARGO_PKG_VERSION"))),
+        "{text}"
+    );
+    assert!(text.contains("mlx 0.32.2"), "{text}");
+    assert!(text.contains("device cpu"), "{text}");
+}
+
+#[test]
+fn adapters_lists_all_seven_families() {
+    let out = dspec(&["adapters"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for family in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.split_whitespace().next() == Some(family) && l.contains("built-in")),
+            "`{family}` missing from:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn adapters_detect_explains_the_choice() {
+    let model = tiny_model(r#"{"model_type": "qwen3", "head_dim": 16}"#);
+    let out = dspec(&["adapters", "--detect", path_str(model.path())]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains("adapter qwen3") && text.contains("model_type \"qwen3\""),
+        "{text}"
+    );
+}
+
+fn generate_json(model: &Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "generate",
+        "--target",
+        path_str(model),
+        "--prompt",
+        "Hello there",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let out = dspec(&args);
+    assert!(out.status.success(), "dspec {args:?}: {}", stderr(&out));
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(&out)))
+}
+
+#[test]
+fn generate_streams_the_same_text_as_json_and_no_stream() {
+    let model = tiny_model("{}");
+    let m = path_str(model.path());
+    let json = generate_json(model.path(), &["--max-tokens", "12"]);
+    let stats = &json["stats"];
+    let generated = stats["generated_tokens"]
+        .as_u64()
+        .expect("generated_tokens");
+    assert!((1..=12).contains(&generated), "{json}");
+    match stats["stop_reason"].as_str() {
+        Some("max_tokens") => assert_eq!(generated, 12),
+        Some("eos") => assert!(generated <= 12),
+        other => panic!("unexpected stop reason {other:?}"),
+    }
+    assert!(
+        stats["prompt_tokens"].as_u64().unwrap_or(0) > "Hello there".len() as u64,
+        "chat template adds tokens: {json}"
+    );
+    assert!(
+        stats["decode_tokens_per_second"].as_f64().is_some()
+            && stats["prefill_tokens_per_second"].as_f64().is_some()
+    );
+    assert_eq!(json["model"]["adapter"], "llama");
+
+    let streamed = dspec(&[
+        "generate",
+        "--target",
+        m,
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "12",
+    ]);
+    assert!(streamed.status.success(), "{}", stderr(&streamed));
+    assert!(
+        stderr(&streamed).contains("decode"),
+        "stats line on stderr: {}",
+        stderr(&streamed)
+    );
+    let whole = dspec(&[
+        "generate",
+        "--target",
+        m,
+        "--prompt",
+        "Hello there",
+        "--max-tokens",
+        "12",
+        "--no-stream",
+    ]);
+    let text = json["text"].as_str().expect("text");
+    assert_eq!(stdout(&streamed), format!("{text}\n"));
+    assert_eq!(stdout(&whole), format!("{text}\n"));
+}
+
+#[test]
+fn raw_prompt_skips_the_chat_template() {
+    let model = tiny_model("{}");
+    let chat = generate_json(model.path(), &["--max-tokens", "1"]);
+    let raw = generate_json(model.path(), &["--max-tokens", "1", "--no-chat-template"]);
+    // One token per byte: the raw prompt is exactly its bytes.
+    assert_eq!(raw["stats"]["prompt_tokens"], "Hello there".len());
+    assert!(chat["stats"]["prompt_tokens"].as_u64() > raw["stats"]["prompt_tokens"].as_u64());
+}
+
+#[test]
+fn stop_string_cuts_the_output_where_it_first_appears() {
+    let model = tiny_model("{}");
+    let full = generate_json(model.path(), &["--max-tokens", "40", "--no-chat-template"]);
+    let text = full["text"].as_str().expect("text").to_string();
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() < 8 {
+        // A random model may hit EOS early; the cut needs some text to cut.
+        return;
+    }
+    let stop: String = chars[4..6].iter().collect();
+    let cut = &text[..text.find(&stop).expect("stop occurs")];
+    let stopped = generate_json(
+        model.path(),
+        &["--max-tokens", "40", "--no-chat-template", "--stop", &stop],
+    );
+    assert_eq!(
+        stopped["text"].as_str(),
+        Some(cut),
+        "stop {stop:?} in {text:?}"
+    );
+    assert_eq!(stopped["stats"]["stop_reason"], "stop_string");
+}
+
+#[test]
+fn sampling_with_a_seed_is_reproducible() {
+    let model = tiny_model("{}");
+    let args = [
+        "--max-tokens",
+        "16",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "11",
+    ];
+    let a = generate_json(model.path(), &args);
+    let b = generate_json(model.path(), &args);
+    assert_eq!(a["text"], b["text"]);
+}
+
+#[test]
+fn every_family_generates_end_to_end() {
+    for overrides in [
+        r#"{"model_type": "mistral", "sliding_window": 8}"#,
+        r#"{"model_type": "qwen2"}"#,
+        r#"{"model_type": "gemma", "head_dim": 16}"#,
+        r#"{"model_type": "gemma2", "head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}"#,
+        r#"{"model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}"#,
+    ] {
+        let model = tiny_model(overrides);
+        let json = generate_json(model.path(), &["--max-tokens", "4", "--quantize", "8"]);
+        assert!(
+            json["stats"]["generated_tokens"].as_u64().unwrap_or(0) >= 1,
+            "{overrides}: {json}"
+        );
+        assert_eq!(json["model"]["quantized_bits"], 8, "{overrides}");
+    }
+}
+
+// ---- bad input -------------------------------------------------------------------
+
+#[test]
+fn missing_model_dir_and_missing_config_are_named() {
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        "/nonexistent/model",
+        "--prompt",
+        "x",
+    ]);
+    assert!(err.contains("/nonexistent/model"), "{err}");
+    let empty = tempfile::tempdir().unwrap();
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(empty.path()),
+        "--prompt",
+        "x",
+    ]);
+    assert!(
+        err.contains("config.json") && err.contains("not found"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_model_type_lists_registered_ones_and_how_to_add() {
+    let model = tiny_model("{}");
+    std::fs::write(
+        model.path().join("config.json"),
+        r#"{"model_type": "mamba9"}"#,
+    )
+    .unwrap();
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(model.path()),
+        "--prompt",
+        "x",
+    ]);
+    assert!(
+        err.contains("mamba9") && err.contains("qwen3") && err.contains("gemma2"),
+        "{err}"
+    );
+    assert!(
+        err.contains("adapters/src") && err.contains("--plugin"),
+        "how to add one: {err}"
+    );
+}
+
+#[test]
+fn missing_tokenizer_is_named() {
+    let model = tiny_model("{}");
+    std::fs::remove_file(model.path().join("tokenizer.json")).unwrap();
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(model.path()),
+        "--prompt",
+        "x",
+    ]);
+    assert!(err.contains("tokenizer.json"), "{err}");
+}
+
+/// Rewrites model.safetensors without one tensor, or with it replaced.
+fn rewrite_weights(dir: &Path, edit: impl Fn(&str, mlx_rs::Array) -> Option<mlx_rs::Array>) {
+    let path = dir.join("model.safetensors");
+    let arrays = mlx_rs::Array::load_safetensors(&path).unwrap();
+    let kept: Vec<(String, mlx_rs::Array)> = arrays
+        .into_iter()
+        .filter_map(|(n, a)| edit(&n, a).map(|a| (n, a)))
+        .collect();
+    std::fs::remove_file(&path).unwrap();
+    mlx_rs::Array::save_safetensors(kept.iter().map(|(n, a)| (n.as_str(), a)), None, &path)
+        .unwrap();
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let model = tiny_model("{}");
+    let victim = "model.layers.1.mlp.up_proj.weight";
+    rewrite_weights(model.path(), |n, a| (n != victim).then_some(a));
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(model.path()),
+        "--prompt",
+        "x",
+    ]);
+    assert!(err.contains(victim) && err.contains("missing"), "{err}");
+}
+
+#[test]
+fn wrong_shape_is_named_with_both_shapes() {
+    let model = tiny_model("{}");
+    let victim = "model.layers.0.self_attn.o_proj.weight";
+    rewrite_weights(model.path(), |n, a| {
+        Some(if n == victim {
+            mlx_rs::ops::zeros::<f32>(&[32, 16]).unwrap()
+        } else {
+            a
+        })
+    });
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(model.path()),
+        "--prompt",
+        "x",
+    ]);
+    assert!(
+        err.contains(victim) && err.contains("[32, 16]") && err.contains("[32, 32]"),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_or_garbage_safetensors_is_reported_as_corrupt() {
+    let model = tiny_model("{}");
+    let path = model.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(model.path()),
+        "--prompt",
+        "x",
+    ]);
+    assert!(
+        err.contains("model.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+    std::fs::write(&path, b"definitely not safetensors").unwrap();
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(model.path()),
+        "--prompt",
+        "x",
+    ]);
+    assert!(
+        err.contains("model.safetensors") && err.contains("not a valid safetensors"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_flags_are_rejected_with_the_flag_named() {
+    let model = tiny_model("{}");
+    let m = path_str(model.path());
+    let err = dspec_fails(&["generate", "--target", m, "--prompt", "x", "--top-p", "1.5"]);
+    assert!(err.contains("--top-p"), "{err}");
+    let err = dspec_fails(&["generate", "--target", m]);
+    assert!(err.contains("--prompt"), "{err}");
+    let out = dspec(&[
+        "generate",
+        "--target",
+        m,
+        "--prompt",
+        "x",
+        "--quantize",
+        "3",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "clap rejects --quantize 3");
+    assert!(stderr(&out).contains("--quantize"));
+}

@@ -1,0 +1,112 @@
+//! Plain generation against a reference without any cache: each step re-runs the whole
+//! sequence and takes the argmax. The cached, pipelined loop must pick the same tokens.
+
+use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
+use mlx_rs::Array;
+
+use dspec_engine::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::loading::{builtin_registry, load_model};
+use dspec_engine::sampling::SamplingParams;
+use dspec_engine::tiny_model::write_tiny_model;
+use dspec_plugin_api::{LoadOptions, TargetModel};
+
+fn reference_greedy(model: &dyn TargetModel, prompt: &[u32], steps: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..steps {
+        let mut cache = model.new_cache();
+        let tokens = Array::from_slice(&seq, &[1, seq.len() as i32]);
+        let logits = model.forward(&tokens, &mut cache, &[]).unwrap().logits;
+        let last = logits.try_index((.., -1, ..)).unwrap();
+        seq.push(argmax_axis(&last, -1, None).unwrap().item_cast::<u32>());
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+#[test]
+fn greedy_generation_equals_uncached_argmax_decoding() {
+    for overrides in [
+        "{}",
+        r#"{"model_type": "gemma2", "head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 50.0}"#,
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny_model(dir.path(), overrides, 5).unwrap();
+        let loaded = load_model(
+            dir.path().to_str().unwrap(),
+            &builtin_registry().unwrap(),
+            &LoadOptions::default(),
+            false,
+        )
+        .unwrap();
+        let prompt = loaded
+            .tokenizer
+            .encode_prompt("A prompt of some length", false)
+            .unwrap();
+        let config = GenerationConfig {
+            max_tokens: 20,
+            sampling: SamplingParams::default(),
+            stop_strings: vec![],
+            eos_ids: vec![], // never stop early: compare all 20 steps
+        };
+        let mut streamed = String::new();
+        let out = generate(
+            loaded.model.as_ref(),
+            &loaded.tokenizer,
+            &prompt,
+            &config,
+            &mut |s| streamed.push_str(s),
+        )
+        .unwrap();
+        assert_eq!(out.stats.stop_reason, StopReason::MaxTokens);
+        assert_eq!(
+            out.tokens,
+            reference_greedy(loaded.model.as_ref(), &prompt, 20),
+            "{overrides}"
+        );
+        assert_eq!(streamed, out.text);
+        assert_eq!(
+            out.text,
+            loaded.tokenizer.decode(&out.tokens, true).unwrap(),
+            "streamed text is the decoded tokens"
+        );
+    }
+}
+
+#[test]
+fn generation_stops_on_an_eos_id_without_emitting_it() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), "{}", 5).unwrap();
+    let loaded = load_model(
+        dir.path().to_str().unwrap(),
+        &builtin_registry().unwrap(),
+        &LoadOptions::default(),
+        false,
+    )
+    .unwrap();
+    let prompt = loaded.tokenizer.encode_prompt("Stop here", false).unwrap();
+    let expected = reference_greedy(loaded.model.as_ref(), &prompt, 6);
+    // Declare the 4th greedy token an EOS: generation must end right there.
+    let config = GenerationConfig {
+        max_tokens: 50,
+        sampling: SamplingParams::default(),
+        stop_strings: vec![],
+        eos_ids: vec![expected[3]],
+    };
+    let out = generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &prompt,
+        &config,
+        &mut |_| {},
+    )
+    .unwrap();
+    let first_eos = expected.iter().position(|&t| t == expected[3]).unwrap();
+    assert_eq!(out.stats.stop_reason, StopReason::Eos);
+    assert_eq!(out.tokens, expected[..=first_eos].to_vec());
+    assert_eq!(
+        out.text,
+        loaded
+            .tokenizer
+            .decode(&expected[..first_eos], true)
+            .unwrap()
+    );
+}
