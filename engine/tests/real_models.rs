@@ -49,7 +49,7 @@ fn smollm2() -> &'static (PathBuf, PathBuf) {
     MODEL.get_or_init(|| fetch("smollm2"))
 }
 
-fn generate(dir: &Path, prompt: &str, extra: &[&str]) -> String {
+fn generate(dir: &Path, prompt: &str, max_tokens: &str, extra: &[&str]) -> String {
     let mut args = vec![
         "generate",
         "--target",
@@ -58,7 +58,7 @@ fn generate(dir: &Path, prompt: &str, extra: &[&str]) -> String {
         prompt,
         "--json",
         "--max-tokens",
-        "16",
+        max_tokens,
     ];
     args.extend_from_slice(extra);
     let out = Command::new(env!("CARGO_BIN_EXE_dspec"))
@@ -77,14 +77,14 @@ fn generate(dir: &Path, prompt: &str, extra: &[&str]) -> String {
 #[test]
 fn smollm2_knows_the_capital_of_france() {
     let (_, dir) = smollm2();
-    let text = generate(dir, "The capital of France is", &["--no-chat-template"]);
+    let text = generate(dir, "The capital of France is", "16", &["--no-chat-template"]);
     assert!(text.starts_with(" Paris"), "greedy continuation: {text:?}");
 }
 
 #[test]
 fn smollm2_chat_answers_two_plus_two() {
     let (_, dir) = smollm2();
-    let text = generate(dir, "What is 2+2?", &["--max-tokens", "24"]);
+    let text = generate(dir, "What is 2+2?", "24", &[]);
     assert!(text.contains('4'), "chat answer: {text:?}");
 }
 
@@ -207,7 +207,7 @@ fn qwen_coder_pair_converts_and_answers() {
     let b = std::fs::read(large.join("tokenizer.json")).unwrap();
     assert!(a == b, "the pair shares one tokenizer");
     for dir in [&small, &large] {
-        let text = generate(dir, "The capital of France is", &["--max-tokens", "24"]);
+        let text = generate(dir, "The capital of France is", "24", &[]);
         assert!(text.contains("Paris"), "{}: {text:?}", dir.display());
     }
 }

@@ -83,7 +83,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<(), Dequ
     let block = ty.block_size();
     let bytes = ty.type_size();
     let expected = (out.len() / block).checked_mul(bytes);
-    if out.len() % block != 0 || expected != Some(data.len()) {
+    if !out.len().is_multiple_of(block) || expected != Some(data.len()) {
         return Err(DequantError::SizeMismatch {
             ty,
             elements: out.len(),
@@ -423,7 +423,11 @@ mod tests {
         /// An f16-representable scale in ±[0.001, 1), either sign.
         fn f16(&mut self) -> (u16, f32) {
             let mag = 0.001 + (self.next() % 1000) as f32 / 1000.0;
-            let v = if self.next() % 2 == 0 { mag } else { -mag };
+            let v = if self.next().is_multiple_of(2) {
+                mag
+            } else {
+                -mag
+            };
             let h = f16::from_f32(v);
             (h.to_bits(), h.to_f32())
         }

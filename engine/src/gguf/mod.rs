@@ -362,7 +362,7 @@ impl TensorInfo {
     pub fn n_bytes(&self) -> Option<u64> {
         let block = self.ggml_type.block_size() as u64;
         let row = *self.dims.first().unwrap_or(&1);
-        if row % block != 0 {
+        if !row.is_multiple_of(block) {
             return None;
         }
         let elements = self
@@ -682,7 +682,7 @@ fn check_tensor(path: &Path, raw: RawTensorInfo, alignment: u64) -> Result<Tenso
         type_id: raw.type_id,
         supported: dequant::supported_list(),
     })?;
-    if raw.offset % alignment != 0 {
+    if !raw.offset.is_multiple_of(alignment) {
         return Err(invalid(format!(
             "data offset {} is not a multiple of the alignment {alignment}",
             raw.offset
@@ -974,7 +974,7 @@ mod tests {
             self.u32(ty).u64(offset)
         }
         fn pad_to(&mut self, align: usize) -> &mut Self {
-            while self.0.len() % align != 0 {
+            while !self.0.len().is_multiple_of(align) {
                 self.0.push(0);
             }
             self
