@@ -210,10 +210,13 @@ impl TargetModel for Decoder {
         for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
         {
             let window = layer.attn.sliding_window();
-            if !masks.contains_key(&window) {
-                masks.insert(window, attention_mask(offset, len, window)?);
-            }
-            h = layer.forward(&h, layer_cache, masks[&window].as_ref())?;
+            let mask = match masks.entry(window) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(attention_mask(offset, len, window)?)
+                }
+            };
+            h = layer.forward(&h, layer_cache, mask.as_ref())?;
             if taps.contains(&i) {
                 captured.push((i, h.clone()));
             }

@@ -111,9 +111,9 @@ impl Picker {
 }
 
 fn token_value(token: &Array) -> Result<u32, EngineError> {
-    Ok(token
+    token
         .try_item_cast::<u32>()
-        .map_err(|e| EngineError::Mlx(e.to_string()))?)
+        .map_err(|e| EngineError::Mlx(e.to_string()))
 }
 
 /// Emits committed text through the detokenizer and stop-string matcher.

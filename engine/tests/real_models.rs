@@ -77,7 +77,12 @@ fn generate(dir: &Path, prompt: &str, max_tokens: &str, extra: &[&str]) -> Strin
 #[test]
 fn smollm2_knows_the_capital_of_france() {
     let (_, dir) = smollm2();
-    let text = generate(dir, "The capital of France is", "16", &["--no-chat-template"]);
+    let text = generate(
+        dir,
+        "The capital of France is",
+        "16",
+        &["--no-chat-template"],
+    );
     assert!(text.starts_with(" Paris"), "greedy continuation: {text:?}");
 }
 

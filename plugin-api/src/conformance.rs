@@ -48,7 +48,8 @@ fn compare(a: &Array, b: &Array, what: &str) -> Result<(), String> {
     let scale = max(abs(&b32).map_err(|e| fail(what, e))?, None).map_err(|e| fail(what, e))?;
     let scale = scale.try_item_cast::<f32>().map_err(|e| fail(what, e))?;
     let bound = ATOL + RTOL * scale;
-    if !(diff <= bound) {
+    // NaN differences must fail too, hence not `diff > bound`.
+    if diff.is_nan() || diff > bound {
         return Err(format!(
             "{what}: max |difference| {diff:e} exceeds {bound:e} (values up to {scale})"
         ));

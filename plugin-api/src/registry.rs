@@ -27,6 +27,9 @@ pub struct AdapterRegistration {
 
 inventory::collect!(AdapterRegistration);
 
+/// A constructor shared between registry copies (built-in fn or plugin closure).
+pub type SharedLoadFn = Arc<dyn Fn(&LoadRequest) -> Result<Box<dyn TargetModel>> + Send + Sync>;
+
 /// Where an adapter comes from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AdapterSource {
@@ -53,7 +56,7 @@ pub struct AdapterEntry {
     pub aliases: Vec<String>,
     pub architectures: Vec<String>,
     pub source: AdapterSource,
-    pub load: Arc<dyn Fn(&LoadRequest) -> Result<Box<dyn TargetModel>> + Send + Sync>,
+    pub load: SharedLoadFn,
 }
 
 impl AdapterEntry {
@@ -248,8 +251,7 @@ mod tests {
         reg.add(entry("a", &["foo", "bar"]), false).unwrap();
         let err = reg
             .add(entry("b", &["bar"]), false)
-            .err()
-            .expect("duplicate must fail");
+            .expect_err("duplicate must fail");
         assert!(
             err.to_string().contains("`bar` is registered twice"),
             "{err}"
@@ -260,6 +262,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::err_expect)] // Detection holds a trait object and has no Debug.
     fn detect_reports_unknown_model_type_with_the_registered_list() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("config.json"), r#"{"model_type": "nope"}"#).unwrap();
