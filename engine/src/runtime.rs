@@ -71,14 +71,34 @@ impl Backend {
 /// The multi-line text of `dspec --version`.
 pub fn version_report() -> String {
     let backend = Backend::detect();
+    let linked = mlx_sys::LINKED_LIBMLX_DIR;
+    let loaded = loaded_libmlx_dir();
+    let blas = if loaded
+        .as_deref()
+        .is_none_or(|d| d == std::path::Path::new(linked))
+    {
+        format!("CPU BLAS: {}", mlx_sys::LINKED_BLAS)
+    } else {
+        format!("redirected from the linked {linked}")
+    };
     format!(
-        "dspec {}\nmlx {}\ndevice {}\nlinked libmlx {} (CPU BLAS: {})",
+        "dspec {}\nmlx {}\ndevice {}\nlibmlx {} ({blas})",
         env!("CARGO_PKG_VERSION"),
         mlx_version(),
         backend.device_name(),
-        mlx_sys::LINKED_LIBMLX_DIR,
-        mlx_sys::LINKED_BLAS,
+        loaded
+            .map(|d| d.display().to_string())
+            .unwrap_or_else(|| linked.to_string()),
     )
+}
+
+/// Directory of the loaded libmlx, from the dynamic loader's own map of this process.
+pub fn loaded_libmlx_dir() -> Option<std::path::PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.ends_with("/libmlx.so") || p.contains("/libmlx.so."))
+        .and_then(|p| std::path::Path::new(p).parent().map(|d| d.to_path_buf()))
 }
 
 #[cfg(test)]

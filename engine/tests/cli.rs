@@ -62,6 +62,10 @@ fn version_reports_dspec_mlx_and_device() {
     );
     assert!(text.contains("mlx 0.32.2"), "{text}");
     assert!(text.contains("device cpu"), "{text}");
+    assert!(
+        text.contains("libmlx ") && text.contains("CPU BLAS"),
+        "{text}"
+    );
 }
 
 #[test]
