@@ -10,7 +10,9 @@ use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::weights::Weights;
 use dspec_plugin_api::{LoadRequest, TargetModel};
 
-use crate::transformer::{Decoder, DecoderSpec};
+use crate::attention::AttentionSpec;
+use crate::layers::{Activation, NormWeight, Rope};
+use crate::transformer::{Decoder, DecoderSpec, NormLayout};
 
 fn default_eps() -> f32 {
     1e-6
@@ -81,6 +83,53 @@ impl CommonConfig {
             .as_ref()
             .and_then(|t| t.get(i))
             .map(|t| t == "sliding_attention")
+    }
+
+    /// The rope of full-attention layers, from `rope_theta` and `rope_scaling`.
+    pub fn global_rope(&self, path: &Path) -> Result<Rope> {
+        let (theta, scaling) = self.rope();
+        Rope::from_config(self.head_dim(), theta, &scaling, path)
+    }
+
+    /// The llama-style attention layer families start from (no biases, norms, window
+    /// or softcap; queries scaled by head_dim^-½), changed with struct update syntax.
+    pub fn attention(&self, rope: Rope) -> AttentionSpec {
+        AttentionSpec {
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.kv_heads(),
+            head_dim: self.head_dim(),
+            scale: (self.head_dim() as f32).powf(-0.5),
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: None,
+            sliding_window: None,
+            softcap: None,
+            rope,
+        }
+    }
+
+    /// The llama-style decoder families start from: pre-norm, plain RMSNorm, untied
+    /// unless the config says otherwise, the activation named in the config (or
+    /// `default_act`). `layers` is left empty for the family to fill.
+    pub fn decoder(&self, model_type: &str, path: &Path, default_act: &str) -> Result<DecoderSpec> {
+        Ok(DecoderSpec {
+            model_type: model_type.into(),
+            prefix: "model.".into(),
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            rms_norm_eps: self.rms_norm_eps,
+            norm_weight: NormWeight::Plain,
+            norm_layout: NormLayout::PreNorm,
+            activation: Activation::from_name(&self.activation_name(default_act), path)?,
+            mlp_bias: false,
+            embed_scale: None,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            final_logit_softcap: None,
+            max_position_embeddings: self.max_position_embeddings,
+            layers: Vec::new(),
+        })
     }
 
     /// Rejects shapes that would make the model meaningless before any tensor is read.

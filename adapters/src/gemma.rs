@@ -9,8 +9,8 @@ use dspec_plugin_api::error::Result;
 
 use crate::attention::AttentionSpec;
 use crate::config::{parse_config, CommonConfig};
-use crate::layers::{Activation, NormWeight, Rope};
-use crate::transformer::{DecoderSpec, NormLayout};
+use crate::layers::NormWeight;
+use crate::transformer::DecoderSpec;
 
 #[derive(Debug, Deserialize)]
 struct GemmaConfig {
@@ -25,40 +25,18 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let c = &cfg.common;
     let path = dir.join("config.json");
     c.validate(&path)?;
-    let (theta, scaling) = c.rope();
-    let rope = Rope::from_config(c.head_dim(), theta, &scaling, &path)?;
-    let layers = (0..c.num_hidden_layers)
-        .map(|_| AttentionSpec {
-            hidden: c.hidden_size,
-            heads: c.num_attention_heads,
-            kv_heads: c.kv_heads(),
-            head_dim: c.head_dim(),
-            scale: (c.head_dim() as f32).powf(-0.5),
-            qkv_bias: cfg.attention_bias,
-            o_bias: cfg.attention_bias,
-            qk_norm: None,
-            sliding_window: None,
-            softcap: None,
-            rope: rope.clone(),
-        })
-        .collect();
+    let attention = AttentionSpec {
+        qkv_bias: cfg.attention_bias,
+        o_bias: cfg.attention_bias,
+        ..c.attention(c.global_rope(&path)?)
+    };
     Ok(DecoderSpec {
-        model_type: "gemma".into(),
-        prefix: "model.".into(),
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        intermediate_size: c.intermediate_size,
-        rms_norm_eps: c.rms_norm_eps,
         norm_weight: NormWeight::OffsetByOne,
-        norm_layout: NormLayout::PreNorm,
-        // HF Gemma runs the tanh approximation even where configs say "gelu".
-        activation: Activation::from_name(&c.activation_name("gelu_pytorch_tanh"), &path)?,
-        mlp_bias: false,
         embed_scale: Some((c.hidden_size as f32).sqrt()),
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(true),
-        final_logit_softcap: None,
-        max_position_embeddings: c.max_position_embeddings,
-        layers,
+        layers: vec![attention; c.num_hidden_layers as usize],
+        // HF Gemma runs the tanh approximation even where configs say "gelu".
+        ..c.decoder("gemma", &path, "gelu_pytorch_tanh")?
     })
 }
 

@@ -10,7 +10,7 @@ use dspec_plugin_api::error::Result;
 
 use crate::attention::AttentionSpec;
 use crate::config::{parse_config, CommonConfig};
-use crate::layers::{Activation, NormWeight, Rope};
+use crate::layers::NormWeight;
 use crate::transformer::{DecoderSpec, NormLayout};
 
 #[derive(Debug, Deserialize)]
@@ -29,47 +29,34 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let c = &cfg.common;
     let path = dir.join("config.json");
     c.validate(&path)?;
-    let (theta, scaling) = c.rope();
-    let rope = Rope::from_config(c.head_dim(), theta, &scaling, &path)?;
-    let scale = cfg
-        .query_pre_attn_scalar
-        .unwrap_or(c.head_dim() as f32)
-        .powf(-0.5);
+    let base = AttentionSpec {
+        scale: cfg
+            .query_pre_attn_scalar
+            .unwrap_or(c.head_dim() as f32)
+            .powf(-0.5),
+        qkv_bias: cfg.attention_bias,
+        o_bias: cfg.attention_bias,
+        softcap: cfg.attn_logit_softcapping,
+        ..c.attention(c.global_rope(&path)?)
+    };
     let layers = (0..c.num_hidden_layers as usize)
         .map(|i| {
             // Without layer_types, even layers are the local (windowed) ones.
             let sliding = c.layer_is_sliding(i).unwrap_or(i % 2 == 0);
             AttentionSpec {
-                hidden: c.hidden_size,
-                heads: c.num_attention_heads,
-                kv_heads: c.kv_heads(),
-                head_dim: c.head_dim(),
-                scale,
-                qkv_bias: cfg.attention_bias,
-                o_bias: cfg.attention_bias,
-                qk_norm: None,
                 sliding_window: if sliding { c.sliding_window } else { None },
-                softcap: cfg.attn_logit_softcapping,
-                rope: rope.clone(),
+                ..base.clone()
             }
         })
         .collect();
     Ok(DecoderSpec {
-        model_type: "gemma2".into(),
-        prefix: "model.".into(),
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        intermediate_size: c.intermediate_size,
-        rms_norm_eps: c.rms_norm_eps,
         norm_weight: NormWeight::OffsetByOne,
         norm_layout: NormLayout::Sandwich,
-        activation: Activation::from_name(&c.activation_name("gelu_pytorch_tanh"), &path)?,
-        mlp_bias: false,
         embed_scale: Some((c.hidden_size as f32).sqrt()),
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(true),
         final_logit_softcap: cfg.final_logit_softcapping,
-        max_position_embeddings: c.max_position_embeddings,
         layers,
+        ..c.decoder("gemma2", &path, "gelu_pytorch_tanh")?
     })
 }
 

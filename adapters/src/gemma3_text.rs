@@ -11,7 +11,7 @@ use dspec_plugin_api::error::Result;
 
 use crate::attention::AttentionSpec;
 use crate::config::{parse_config, CommonConfig};
-use crate::layers::{Activation, NormWeight, Rope};
+use crate::layers::{NormWeight, Rope};
 use crate::transformer::{DecoderSpec, NormLayout};
 
 fn default_pattern() -> usize {
@@ -46,57 +46,48 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let c = &cfg.common;
     let path = dir.join("config.json");
     c.validate(&path)?;
-    let (theta, scaling) = c.rope();
-    let global_rope = Rope::from_config(c.head_dim(), theta, &scaling, &path)?;
+    let global_rope = c.global_rope(&path)?;
     let local_rope = Rope::from_config(
         c.head_dim(),
         cfg.rope_local_base_freq,
         &serde_json::Value::Null,
         &path,
     )?;
-    let scale = cfg
-        .query_pre_attn_scalar
-        .unwrap_or(c.head_dim() as f32)
-        .powf(-0.5);
+    let base = AttentionSpec {
+        scale: cfg
+            .query_pre_attn_scalar
+            .unwrap_or(c.head_dim() as f32)
+            .powf(-0.5),
+        qkv_bias: cfg.attention_bias,
+        o_bias: cfg.attention_bias,
+        qk_norm: Some((c.rms_norm_eps, NormWeight::OffsetByOne)),
+        softcap: cfg.attn_logit_softcapping,
+        ..c.attention(global_rope.clone())
+    };
     let pattern = cfg.sliding_window_pattern.max(1);
     let layers = (0..c.num_hidden_layers as usize)
         .map(|i| {
             let sliding = c.layer_is_sliding(i).unwrap_or((i + 1) % pattern != 0);
             AttentionSpec {
-                hidden: c.hidden_size,
-                heads: c.num_attention_heads,
-                kv_heads: c.kv_heads(),
-                head_dim: c.head_dim(),
-                scale,
-                qkv_bias: cfg.attention_bias,
-                o_bias: cfg.attention_bias,
-                qk_norm: Some((c.rms_norm_eps, NormWeight::OffsetByOne)),
                 sliding_window: if sliding { c.sliding_window } else { None },
-                softcap: cfg.attn_logit_softcapping,
                 rope: if sliding {
                     local_rope.clone()
                 } else {
                     global_rope.clone()
                 },
+                ..base.clone()
             }
         })
         .collect();
     Ok(DecoderSpec {
-        model_type: "gemma3_text".into(),
         prefix: prefix.into(),
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        intermediate_size: c.intermediate_size,
-        rms_norm_eps: c.rms_norm_eps,
         norm_weight: NormWeight::OffsetByOne,
         norm_layout: NormLayout::Sandwich,
-        activation: Activation::from_name(&c.activation_name("gelu_pytorch_tanh"), &path)?,
-        mlp_bias: false,
         embed_scale: Some((c.hidden_size as f32).sqrt()),
         tie_word_embeddings: c.tie_word_embeddings.unwrap_or(true),
         final_logit_softcap: cfg.final_logit_softcapping,
-        max_position_embeddings: c.max_position_embeddings,
         layers,
+        ..c.decoder("gemma3_text", &path, "gelu_pytorch_tanh")?
     })
 }
 

@@ -9,8 +9,7 @@ use dspec_plugin_api::error::Result;
 
 use crate::attention::AttentionSpec;
 use crate::config::{parse_config, CommonConfig};
-use crate::layers::{Activation, NormWeight, Rope};
-use crate::transformer::{DecoderSpec, NormLayout};
+use crate::transformer::DecoderSpec;
 
 #[derive(Debug, Deserialize)]
 struct Qwen2Config {
@@ -26,8 +25,10 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let c = &cfg.common;
     let path = dir.join("config.json");
     c.validate(&path)?;
-    let (theta, scaling) = c.rope();
-    let rope = Rope::from_config(c.head_dim(), theta, &scaling, &path)?;
+    let base = AttentionSpec {
+        qkv_bias: true,
+        ..c.attention(c.global_rope(&path)?)
+    };
     let first_windowed = cfg.max_window_layers.unwrap_or(0);
     let layers = (0..c.num_hidden_layers as usize)
         .map(|i| {
@@ -35,36 +36,14 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
                 .layer_is_sliding(i)
                 .unwrap_or(cfg.use_sliding_window && i >= first_windowed);
             AttentionSpec {
-                hidden: c.hidden_size,
-                heads: c.num_attention_heads,
-                kv_heads: c.kv_heads(),
-                head_dim: c.head_dim(),
-                scale: (c.head_dim() as f32).powf(-0.5),
-                qkv_bias: true,
-                o_bias: false,
-                qk_norm: None,
                 sliding_window: if sliding { c.sliding_window } else { None },
-                softcap: None,
-                rope: rope.clone(),
+                ..base.clone()
             }
         })
         .collect();
     Ok(DecoderSpec {
-        model_type: "qwen2".into(),
-        prefix: "model.".into(),
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        intermediate_size: c.intermediate_size,
-        rms_norm_eps: c.rms_norm_eps,
-        norm_weight: NormWeight::Plain,
-        norm_layout: NormLayout::PreNorm,
-        activation: Activation::from_name(&c.activation_name("silu"), &path)?,
-        mlp_bias: false,
-        embed_scale: None,
-        tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
-        final_logit_softcap: None,
-        max_position_embeddings: c.max_position_embeddings,
         layers,
+        ..c.decoder("qwen2", &path, "silu")?
     })
 }
 

@@ -72,13 +72,13 @@ impl Gguf {
             out.extend(offset.to_le_bytes());
             offset += (data.len() * 4).next_multiple_of(32) as u64;
         }
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         for (_, _, data) in &self.tensors {
             let start = out.len();
             data.iter().for_each(|v| out.extend(v.to_le_bytes()));
-            while (out.len() - start) % 32 != 0 {
+            while !(out.len() - start).is_multiple_of(32) {
                 out.push(0);
             }
         }
