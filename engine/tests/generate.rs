@@ -110,3 +110,76 @@ fn generation_stops_on_an_eos_id_without_emitting_it() {
             .unwrap()
     );
 }
+
+#[test]
+fn sharded_checkpoint_loads_like_a_single_file() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), "{}", 8).unwrap();
+    let registry = builtin_registry().unwrap();
+    let logits = |d: &std::path::Path| -> Vec<f32> {
+        let loaded = load_model(
+            d.to_str().unwrap(),
+            &registry,
+            &LoadOptions::default(),
+            false,
+        )
+        .unwrap();
+        let ids = loaded.tokenizer.encode("shards", false).unwrap();
+        let mut cache = loaded.model.new_cache();
+        let out = loaded
+            .model
+            .forward(
+                &Array::from_slice(&ids, &[1, ids.len() as i32]),
+                &mut cache,
+                &[],
+            )
+            .unwrap();
+        out.logits.as_slice::<f32>().to_vec()
+    };
+    let single = logits(dir.path());
+
+    // Split the weights over two shards named by an index, as HF sharded checkpoints are.
+    let path = dir.path().join("model.safetensors");
+    let all = Array::load_safetensors(&path).unwrap();
+    let mut names: Vec<&String> = all.keys().collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let mut weight_map = serde_json::Map::new();
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
+        Array::save_safetensors(
+            part.iter().map(|n| (n.as_str(), &all[*n])),
+            None,
+            dir.path().join(file),
+        )
+        .unwrap();
+        part.iter().for_each(|n| {
+            weight_map.insert(n.to_string(), file.into());
+        });
+    }
+    std::fs::remove_file(&path).unwrap();
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    assert_eq!(logits(dir.path()), single);
+
+    // An index naming a shard that is not there is an error that names it.
+    std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+    let err = load_model(
+        dir.path().to_str().unwrap(),
+        &registry,
+        &LoadOptions::default(),
+        false,
+    )
+    .err()
+    .expect("missing shard");
+    assert!(
+        err.to_string().contains("model-00002-of-00002.safetensors"),
+        "{err}"
+    );
+}
