@@ -1,6 +1,11 @@
 //! Prompt lookup: propose what followed the latest earlier occurrence of the last `n`
 //! tokens. No weights; strong on edits, code and anything that repeats its input.
 
+use mlx_rs::Array;
+
+use dspec_plugin_api::error::Result;
+use dspec_plugin_api::{Draft, Drafter};
+
 /// Finds the continuation of the most recent earlier match of the history's last `n`
 /// tokens (trying `n`, then shorter suffixes down to `min_n`), up to `max_k` tokens.
 pub fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32> {
@@ -25,9 +30,51 @@ pub fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32
     Vec::new()
 }
 
+/// The prompt-lookup drafter over prompt + committed output.
+pub struct NgramDrafter {
+    n: usize,
+    history: Vec<u32>,
+}
+
+impl NgramDrafter {
+    /// `n`: longest n-gram to match (shorter ones down to 1 are tried after it).
+    pub fn new(n: usize) -> Self {
+        Self {
+            n: n.max(1),
+            history: Vec::new(),
+        }
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn name(&self) -> &str {
+        "ngram"
+    }
+
+    fn begin(&mut self, prompt: &[u32], _hidden: Option<&Array>) -> Result<()> {
+        self.history = prompt.to_vec();
+        Ok(())
+    }
+
+    fn propose(&mut self, last: u32, max_k: usize) -> Result<Draft> {
+        self.history.push(last);
+        let tokens = propose(&self.history, self.n, 1, max_k);
+        self.history.pop();
+        Ok(Draft {
+            tokens,
+            probs: None,
+        })
+    }
+
+    fn commit(&mut self, verified: &[u32], _hidden: Option<&Array>) -> Result<()> {
+        self.history.extend_from_slice(verified);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::propose;
+    use super::*;
 
     #[test]
     fn continues_the_latest_match_of_the_suffix() {
@@ -53,5 +100,19 @@ mod tests {
         assert!(propose(&[1, 2, 3], 2, 1, 4).is_empty());
         assert!(propose(&[], 2, 1, 4).is_empty());
         assert!(propose(&[1, 1], 2, 1, 0).is_empty());
+    }
+
+    #[test]
+    fn drafter_sees_the_last_token_and_committed_history() {
+        let mut d = NgramDrafter::new(2);
+        d.begin(&[10, 11, 12, 13, 10], None).unwrap();
+        // history + last = [10 11 12 13 10 11] -> "10 11" was followed by 12, 13.
+        assert_eq!(d.propose(11, 2).unwrap().tokens, vec![12, 13]);
+        d.commit(&[11, 12], None).unwrap(); // last 11 and one accepted draft, 12
+        assert_eq!(
+            d.propose(14, 3).unwrap().tokens,
+            Vec::<u32>::new(),
+            "14 never seen"
+        );
     }
 }

@@ -65,19 +65,41 @@ pub fn prefill(
     cache: &mut ModelCache,
     prompt: &[u32],
 ) -> Result<Array, EngineError> {
+    Ok(prefill_with_taps(model, cache, prompt, &[])?.0)
+}
+
+/// Like [`prefill`], also returning the hidden states at `taps` over the whole prompt
+/// (`[1, L, taps × hidden]`) when taps are asked for.
+pub fn prefill_with_taps(
+    model: &dyn TargetModel,
+    cache: &mut ModelCache,
+    prompt: &[u32],
+    taps: &[usize],
+) -> Result<(Array, Option<Array>), EngineError> {
     if prompt.is_empty() {
         return Err(EngineError::EmptyPrompt);
     }
     let mut last = None;
+    let mut hidden = Vec::new();
     for chunk in prompt.chunks(PREFILL_CHUNK) {
         let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
-        let out = model.forward(&tokens, cache, &[])?;
+        let out = model.forward(&tokens, cache, taps)?;
         let logits = out.logits.try_index((.., -1, ..))?;
         // Evaluate per chunk so the graph (and activations) of a long prompt stay small.
-        mlx_rs::transforms::eval(std::iter::once(&logits).chain(cache.state()))?;
+        mlx_rs::transforms::eval(
+            std::iter::once(&logits)
+                .chain(out.hidden.iter())
+                .chain(cache.state()),
+        )?;
+        hidden.extend(out.hidden);
         last = Some(logits);
     }
-    last.ok_or(EngineError::EmptyPrompt)
+    let hidden = if hidden.is_empty() {
+        None
+    } else {
+        Some(mlx_rs::ops::concatenate(&hidden, 1)?)
+    };
+    Ok((last.ok_or(EngineError::EmptyPrompt)?, hidden))
 }
 
 /// Logits `[1, vocab]` → host `f32` values for sampling.
@@ -117,24 +139,38 @@ fn token_value(token: &Array) -> Result<u32, EngineError> {
 }
 
 /// Emits committed text through the detokenizer and stop-string matcher.
-struct TextSink<'a> {
+pub(crate) struct TextSink<'a> {
     tokenizer: &'a TextTokenizer,
     decoder: StreamDecoder,
     stops: StopMatcher,
-    text: String,
+    pub(crate) text: String,
     on_text: &'a mut dyn FnMut(&str),
 }
 
-impl TextSink<'_> {
+impl<'a> TextSink<'a> {
+    pub(crate) fn new(
+        tokenizer: &'a TextTokenizer,
+        stop_strings: &[String],
+        on_text: &'a mut dyn FnMut(&str),
+    ) -> Self {
+        TextSink {
+            tokenizer,
+            decoder: StreamDecoder::new(true),
+            stops: StopMatcher::new(stop_strings.to_vec()),
+            text: String::new(),
+            on_text,
+        }
+    }
+
     /// Returns true when a stop string completed.
-    fn push(&mut self, id: u32) -> Result<bool, EngineError> {
+    pub(crate) fn push(&mut self, id: u32) -> Result<bool, EngineError> {
         let piece = self.decoder.push(self.tokenizer, id)?;
         let step = self.stops.push(&piece);
         self.emit(&step.emit);
         Ok(step.stopped)
     }
 
-    fn finish(&mut self, stopped_on_string: bool) -> Result<(), EngineError> {
+    pub(crate) fn finish(&mut self, stopped_on_string: bool) -> Result<(), EngineError> {
         if stopped_on_string {
             return Ok(());
         }
@@ -176,13 +212,7 @@ pub fn generate(
     } else {
         Picker::Sample(Box::new(Sampler::new(config.sampling.clone())))
     };
-    let mut sink = TextSink {
-        tokenizer,
-        decoder: StreamDecoder::new(true),
-        stops: StopMatcher::new(config.stop_strings.clone()),
-        text: String::new(),
-        on_text,
-    };
+    let mut sink = TextSink::new(tokenizer, &config.stop_strings, on_text);
     let mut cache = model.new_cache();
     let mut tokens = Vec::new();
 

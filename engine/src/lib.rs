@@ -11,6 +11,7 @@ pub mod loading;
 pub mod model_source;
 pub mod runtime;
 pub mod sampling;
+pub mod speculative;
 pub mod stop;
 pub mod tiny_model;
 pub mod tokenizer;

@@ -8,10 +8,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use mlx_rs::Dtype;
 
 use dspec_engine::chat_template::{ChatMessage, ChatTemplate};
-use dspec_engine::generate::{generate, GenerationConfig};
+use dspec_engine::generate::{generate, GenerationConfig, GenerationOutput};
 use dspec_engine::loading::{builtin_registry, load_model};
 use dspec_engine::runtime::{version_report, Backend};
 use dspec_engine::sampling::SamplingParams;
+use dspec_engine::speculative::generate_speculative;
 use dspec_plugin_api::{LoadOptions, Quantization};
 
 #[derive(Parser)]
@@ -144,6 +145,15 @@ struct GenerateArgs {
     /// Print one JSON object with the text and statistics.
     #[arg(long)]
     json: bool,
+    /// Speculative decoding with this drafter: `ngram` (prompt lookup).
+    #[arg(long)]
+    drafter: Option<String>,
+    /// Longest n-gram the `ngram` drafter matches.
+    #[arg(long, default_value_t = 3)]
+    ngram: usize,
+    /// Most tokens drafted per round.
+    #[arg(long, default_value_t = 5)]
+    max_draft: usize,
 }
 
 #[derive(Args)]
@@ -266,13 +276,42 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             let _ = stdout.flush();
         }
     };
-    let output = generate(
-        loaded.model.as_ref(),
-        tokenizer,
-        &prompt_ids,
-        &config,
-        &mut on_text,
-    )?;
+    let (output, speculative) = match args.drafter.as_deref() {
+        None => (
+            generate(
+                loaded.model.as_ref(),
+                tokenizer,
+                &prompt_ids,
+                &config,
+                &mut on_text,
+            )?,
+            None,
+        ),
+        Some("ngram") => {
+            if args.ngram == 0 || args.max_draft == 0 {
+                bail!("--ngram and --max-draft must be at least 1");
+            }
+            let mut drafter = dspec_drafters::ngram::NgramDrafter::new(args.ngram);
+            let out = generate_speculative(
+                loaded.model.as_ref(),
+                tokenizer,
+                &prompt_ids,
+                &config,
+                &mut drafter,
+                args.max_draft,
+                &mut on_text,
+            )?;
+            let generation = GenerationOutput {
+                text: out.text,
+                tokens: out.tokens,
+                stats: out.stats,
+            };
+            (generation, Some(out.speculative))
+        }
+        Some(other) => {
+            bail!("--drafter `{other}` is not available in this build (available: ngram)")
+        }
+    };
     let s = &output.stats;
     if args.json {
         let info = loaded.model.info();
@@ -287,6 +326,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 "device": backend.device_name(),
             },
             "stats": s,
+            "speculative": speculative,
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
@@ -303,6 +343,18 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         s.decode_tokens_per_second,
         serde_json::to_value(s.stop_reason)?.as_str().unwrap_or("?"),
     );
+    if let Some(sp) = speculative {
+        eprintln!(
+            "[dspec] drafter {}: tau {:.2} tokens/forward over {} target forwards, {}/{} drafts accepted, acceptance histogram {:?}, {:.0}% of decode time drafting",
+            sp.drafter,
+            sp.tau,
+            sp.target_forwards,
+            sp.accepted_tokens,
+            sp.drafted_tokens,
+            sp.acceptance_histogram,
+            100.0 * sp.draft_time_share,
+        );
+    }
     Ok(())
 }
 

@@ -412,3 +412,48 @@ fn bad_flags_are_rejected_with_the_flag_named() {
     assert_eq!(out.status.code(), Some(2), "clap rejects --quantize 3");
     assert!(stderr(&out).contains("--quantize"));
 }
+
+#[test]
+fn ngram_drafter_gives_the_greedy_text_and_reports_tau() {
+    let model = tiny_model("{}");
+    let m = path_str(model.path());
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "generate",
+            "--target",
+            m,
+            "--prompt",
+            "la la la la la la la la la",
+            "--no-chat-template",
+            "--max-tokens",
+            "24",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = dspec(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let plain = run(&[]);
+    let spec = run(&["--drafter", "ngram", "--max-draft", "4"]);
+    assert_eq!(spec["text"], plain["text"]);
+    assert_eq!(
+        spec["stats"]["generated_tokens"],
+        plain["stats"]["generated_tokens"]
+    );
+    assert!(
+        spec["speculative"]["tau"].as_f64().expect("tau") >= 1.0,
+        "{spec}"
+    );
+    assert_eq!(spec["speculative"]["drafter"], "ngram");
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        m,
+        "--prompt",
+        "x",
+        "--drafter",
+        "nope",
+    ]);
+    assert!(err.contains("--drafter") && err.contains("ngram"), "{err}");
+}

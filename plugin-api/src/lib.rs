@@ -6,12 +6,14 @@
 
 pub mod cache;
 pub mod conformance;
+pub mod drafter;
 pub mod error;
 pub mod registry;
 pub mod target;
 pub mod weights;
 
 pub use cache::{KvCache, ModelCache};
+pub use drafter::{Draft, Drafter};
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
 pub use target::{ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel};

@@ -1,0 +1,314 @@
+//! Speculative decoding must give exactly plain greedy decoding's tokens, whatever the
+//! drafter proposes — and stop exactly where plain decoding stops (EOS, max tokens,
+//! stop strings) even when that falls inside an accepted block.
+
+use mlx_rs::Array;
+
+use dspec_drafters::ngram::NgramDrafter;
+use dspec_engine::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
+use dspec_engine::sampling::SamplingParams;
+use dspec_engine::speculative::generate_speculative;
+use dspec_engine::tiny_model::write_tiny_model;
+use dspec_plugin_api::error::Result as ModelResult;
+use dspec_plugin_api::{Draft, Drafter, LoadOptions};
+
+fn load(overrides: &str, seed: u64) -> (tempfile::TempDir, LoadedModel) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), overrides, seed).unwrap();
+    let loaded = load_model(
+        dir.path().to_str().unwrap(),
+        &builtin_registry().unwrap(),
+        &LoadOptions::default(),
+        false,
+    )
+    .unwrap();
+    (dir, loaded)
+}
+
+fn config(max_tokens: usize, eos_ids: Vec<u32>, stop_strings: Vec<String>) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_strings,
+        eos_ids,
+    }
+}
+
+/// Knows the true greedy continuation and proposes it with one token corrupted at a
+/// position that cycles, so every acceptance length occurs. It also checks the loop
+/// tells it about exactly the tokens it committed.
+struct NoisyOracle {
+    truth: Vec<u32>,
+    /// Tokens the target has verified so far (prompt excluded).
+    seen: usize,
+    round: usize,
+    vocab: u32,
+    hidden_checks: usize,
+}
+
+impl Drafter for NoisyOracle {
+    fn name(&self) -> &str {
+        "noisy-oracle"
+    }
+    fn taps(&self) -> &[usize] {
+        &[0, 1]
+    }
+    fn begin(&mut self, _prompt: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
+        assert!(hidden.is_some(), "taps were declared");
+        Ok(())
+    }
+    fn propose(&mut self, last: u32, max_k: usize) -> ModelResult<Draft> {
+        assert_eq!(
+            Some(&last),
+            self.truth.get(self.seen),
+            "last is the next true token"
+        );
+        let start = self.seen + 1;
+        let mut tokens: Vec<u32> = self.truth.iter().skip(start).take(max_k).copied().collect();
+        self.round += 1;
+        let corrupt = self.round % (max_k + 2);
+        if let Some(t) = tokens.get_mut(corrupt) {
+            *t = (*t + 1) % self.vocab;
+        }
+        Ok(Draft {
+            tokens,
+            probs: None,
+        })
+    }
+    fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
+        assert_eq!(verified, &self.truth[self.seen..self.seen + verified.len()]);
+        let h = hidden.expect("hidden states of the verified positions");
+        assert_eq!(h.shape()[1] as usize, verified.len());
+        self.hidden_checks += 1;
+        self.seen += verified.len();
+        Ok(())
+    }
+}
+
+fn greedy(loaded: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        prompt,
+        &config(n, vec![], vec![]),
+        &mut |_| {},
+    )
+    .unwrap()
+    .tokens
+}
+
+#[test]
+fn noisy_oracle_speculation_equals_greedy_with_every_acceptance_length() {
+    for overrides in [
+        "{}",
+        r#"{"model_type": "qwen3", "head_dim": 16}"#,
+        r#"{"model_type": "gemma2", "head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 50.0}"#,
+    ] {
+        let (_dir, loaded) = load(overrides, 21);
+        let prompt = loaded
+            .tokenizer
+            .encode_prompt("speculate on this", false)
+            .unwrap();
+        let truth = greedy(&loaded, &prompt, 60);
+        let mut drafter = NoisyOracle {
+            truth: truth.clone(),
+            seen: 0,
+            round: 0,
+            vocab: 259,
+            hidden_checks: 0,
+        };
+        let out = generate_speculative(
+            loaded.model.as_ref(),
+            &loaded.tokenizer,
+            &prompt,
+            &config(40, vec![], vec![]),
+            &mut drafter,
+            4,
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(out.tokens, truth[..40].to_vec(), "{overrides}");
+        let s = &out.speculative;
+        assert!(s.tau > 1.5, "{overrides}: tau {}", s.tau);
+        assert_eq!(
+            s.acceptance_histogram.iter().sum::<usize>(),
+            s.target_forwards
+        );
+        assert!(
+            s.acceptance_histogram.iter().all(|&c| c > 0),
+            "every acceptance length 0..=4 occurs: {:?}",
+            s.acceptance_histogram
+        );
+        assert_eq!(drafter.hidden_checks, s.target_forwards);
+    }
+}
+
+#[test]
+fn eos_and_max_tokens_inside_an_accepted_block_stop_like_plain_decoding() {
+    let (_dir, loaded) = load("{}", 4);
+    let prompt = loaded
+        .tokenizer
+        .encode_prompt("where does it end", false)
+        .unwrap();
+    let truth = greedy(&loaded, &prompt, 40);
+    // The oracle corrupts one draft in most rounds; stops must still land exactly.
+    let oracle = || NoisyOracle {
+        truth: truth.clone(),
+        seen: 0,
+        round: 0,
+        vocab: 259,
+        hidden_checks: 0,
+    };
+
+    for max_tokens in [1, 2, 7, 13] {
+        let mut d = oracle();
+        let out = generate_speculative(
+            loaded.model.as_ref(),
+            &loaded.tokenizer,
+            &prompt,
+            &config(max_tokens, vec![], vec![]),
+            &mut d,
+            5,
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(
+            out.tokens,
+            truth[..max_tokens].to_vec(),
+            "max_tokens {max_tokens}"
+        );
+        assert_eq!(out.stats.stop_reason, StopReason::MaxTokens);
+    }
+    let eos = truth[9];
+    let first = truth.iter().position(|&t| t == eos).unwrap();
+    let mut d = oracle();
+    let plain = generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &prompt,
+        &config(40, vec![eos], vec![]),
+        &mut |_| {},
+    )
+    .unwrap();
+    let out = generate_speculative(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &prompt,
+        &config(40, vec![eos], vec![]),
+        &mut d,
+        5,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(out.tokens, truth[..=first].to_vec());
+    assert_eq!(out.tokens, plain.tokens);
+    assert_eq!(out.text, plain.text);
+    assert_eq!(out.stats.stop_reason, StopReason::Eos);
+}
+
+#[test]
+fn stop_strings_inside_a_block_cut_the_text_like_plain_decoding() {
+    let (_dir, loaded) = load("{}", 6);
+    let prompt = loaded
+        .tokenizer
+        .encode_prompt("stop strings", false)
+        .unwrap();
+    let truth = greedy(&loaded, &prompt, 40);
+    let text = loaded.tokenizer.decode(&truth, true).unwrap();
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() < 12 {
+        return;
+    }
+    let stop: String = chars[8..10].iter().collect();
+    let cfg = config(40, vec![], vec![stop.clone()]);
+    let plain = generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &prompt,
+        &cfg,
+        &mut |_| {},
+    )
+    .unwrap();
+    let mut d = NoisyOracle {
+        truth: truth.clone(),
+        seen: 0,
+        round: 0,
+        vocab: 259,
+        hidden_checks: 0,
+    };
+    let mut streamed = String::new();
+    let out = generate_speculative(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &prompt,
+        &cfg,
+        &mut d,
+        5,
+        &mut |s| streamed.push_str(s),
+    )
+    .unwrap();
+    assert_eq!(out.text, plain.text, "stop {stop:?}");
+    assert_eq!(streamed, plain.text);
+    assert_eq!(out.tokens, plain.tokens);
+    assert_eq!(out.stats.stop_reason, StopReason::StopString);
+}
+
+#[test]
+fn ngram_speculation_equals_greedy_on_repetitive_prompts() {
+    for (overrides, seed) in [
+        ("{}", 1),
+        (r#"{"model_type": "mistral", "sliding_window": 5}"#, 2),
+        (
+            r#"{"model_type": "gemma3_text", "head_dim": 16, "sliding_window": 6, "sliding_window_pattern": 2}"#,
+            3,
+        ),
+    ] {
+        let (_dir, loaded) = load(overrides, seed);
+        let prompt = loaded
+            .tokenizer
+            .encode_prompt("abc abc abc abc abc abc abc", false)
+            .unwrap();
+        let truth = greedy(&loaded, &prompt, 48);
+        let mut drafter = NgramDrafter::new(3);
+        let out = generate_speculative(
+            loaded.model.as_ref(),
+            &loaded.tokenizer,
+            &prompt,
+            &config(48, vec![], vec![]),
+            &mut drafter,
+            6,
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(out.tokens, truth, "{overrides}");
+        assert!(
+            out.speculative.drafted_tokens > 0,
+            "{overrides}: the repetitive prompt gives n-gram matches"
+        );
+    }
+}
+
+#[test]
+fn sampling_with_a_drafter_is_refused_for_now() {
+    let (_dir, loaded) = load("{}", 1);
+    let prompt = loaded.tokenizer.encode_prompt("x", false).unwrap();
+    let cfg = GenerationConfig {
+        sampling: SamplingParams {
+            temperature: 0.7,
+            ..SamplingParams::default()
+        },
+        ..config(4, vec![], vec![])
+    };
+    let err = generate_speculative(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &prompt,
+        &cfg,
+        &mut NgramDrafter::new(2),
+        4,
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("--temperature 0"), "{err}");
+}
