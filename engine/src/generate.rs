@@ -51,6 +51,29 @@ pub struct GenerationStats {
     pub stop_reason: StopReason,
 }
 
+impl GenerationStats {
+    /// Derives the rates; the first generated token is prefill's, so decode rate
+    /// counts the tokens after it over the time from the first to the last.
+    pub fn new(
+        prompt_tokens: usize,
+        generated_tokens: usize,
+        prefill_seconds: f64,
+        decode_seconds: f64,
+        stop_reason: StopReason,
+    ) -> Self {
+        Self {
+            prompt_tokens,
+            generated_tokens,
+            prefill_seconds,
+            prefill_tokens_per_second: prompt_tokens as f64 / prefill_seconds.max(1e-9),
+            decode_seconds,
+            decode_tokens_per_second: generated_tokens.saturating_sub(1) as f64
+                / decode_seconds.max(1e-9),
+            stop_reason,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct GenerationOutput {
     pub text: String,
@@ -256,17 +279,13 @@ pub fn generate(
         }
     };
     sink.finish(stop_reason == StopReason::StopString)?;
-    let decode_seconds = decode_start.elapsed().as_secs_f64();
-    let generated = tokens.len();
-    let stats = GenerationStats {
-        prompt_tokens: prompt.len(),
-        generated_tokens: generated,
+    let stats = GenerationStats::new(
+        prompt.len(),
+        tokens.len(),
         prefill_seconds,
-        prefill_tokens_per_second: prompt.len() as f64 / prefill_seconds.max(1e-9),
-        decode_seconds,
-        decode_tokens_per_second: generated.saturating_sub(1) as f64 / decode_seconds.max(1e-9),
+        decode_start.elapsed().as_secs_f64(),
         stop_reason,
-    };
+    );
     Ok(GenerationOutput {
         text: sink.text,
         tokens,

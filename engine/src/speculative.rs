@@ -167,16 +167,13 @@ pub fn generate_speculative(
         .sink
         .finish(stop_reason == StopReason::StopString)?;
     let decode_seconds = decode_start.elapsed().as_secs_f64();
-    let generated = committer.tokens.len();
-    let stats = GenerationStats {
-        prompt_tokens: prompt.len(),
-        generated_tokens: generated,
+    let stats = GenerationStats::new(
+        prompt.len(),
+        committer.tokens.len(),
         prefill_seconds,
-        prefill_tokens_per_second: prompt.len() as f64 / prefill_seconds.max(1e-9),
         decode_seconds,
-        decode_tokens_per_second: generated.saturating_sub(1) as f64 / decode_seconds.max(1e-9),
         stop_reason,
-    };
+    );
     let speculative = SpeculativeStats {
         drafter: drafter.name().to_string(),
         target_forwards: forwards,
