@@ -132,6 +132,24 @@ impl CommonConfig {
         })
     }
 
+    /// The decoder the gemma families start from: (1 + w) norms, embeddings scaled by
+    /// √hidden, tied head unless the config says otherwise, tanh-GELU (HF Gemma runs the
+    /// tanh approximation even where configs say "gelu").
+    pub fn gemma_decoder(
+        &self,
+        model_type: &str,
+        path: &Path,
+        layout: NormLayout,
+    ) -> Result<DecoderSpec> {
+        Ok(DecoderSpec {
+            norm_weight: NormWeight::OffsetByOne,
+            norm_layout: layout,
+            embed_scale: Some((self.hidden_size as f32).sqrt()),
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(true),
+            ..self.decoder(model_type, path, "gelu_pytorch_tanh")?
+        })
+    }
+
     /// Rejects shapes that would make the model meaningless before any tensor is read.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let positive = [

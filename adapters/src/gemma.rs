@@ -9,8 +9,7 @@ use dspec_plugin_api::error::Result;
 
 use crate::attention::AttentionSpec;
 use crate::config::{parse_config, CommonConfig};
-use crate::layers::NormWeight;
-use crate::transformer::DecoderSpec;
+use crate::transformer::{DecoderSpec, NormLayout};
 
 #[derive(Debug, Deserialize)]
 struct GemmaConfig {
@@ -31,12 +30,8 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
         ..c.attention(c.global_rope(&path)?)
     };
     Ok(DecoderSpec {
-        norm_weight: NormWeight::OffsetByOne,
-        embed_scale: Some((c.hidden_size as f32).sqrt()),
-        tie_word_embeddings: c.tie_word_embeddings.unwrap_or(true),
         layers: vec![attention; c.num_hidden_layers as usize],
-        // HF Gemma runs the tanh approximation even where configs say "gelu".
-        ..c.decoder("gemma", &path, "gelu_pytorch_tanh")?
+        ..c.gemma_decoder("gemma", &path, NormLayout::PreNorm)?
     })
 }
 

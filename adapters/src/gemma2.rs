@@ -10,7 +10,6 @@ use dspec_plugin_api::error::Result;
 
 use crate::attention::AttentionSpec;
 use crate::config::{parse_config, CommonConfig};
-use crate::layers::NormWeight;
 use crate::transformer::{DecoderSpec, NormLayout};
 
 #[derive(Debug, Deserialize)]
@@ -50,13 +49,9 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
         })
         .collect();
     Ok(DecoderSpec {
-        norm_weight: NormWeight::OffsetByOne,
-        norm_layout: NormLayout::Sandwich,
-        embed_scale: Some((c.hidden_size as f32).sqrt()),
-        tie_word_embeddings: c.tie_word_embeddings.unwrap_or(true),
         final_logit_softcap: cfg.final_logit_softcapping,
         layers,
-        ..c.decoder("gemma2", &path, "gelu_pytorch_tanh")?
+        ..c.gemma_decoder("gemma2", &path, NormLayout::Sandwich)?
     })
 }
 

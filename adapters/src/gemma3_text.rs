@@ -81,13 +81,9 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
         .collect();
     Ok(DecoderSpec {
         prefix: prefix.into(),
-        norm_weight: NormWeight::OffsetByOne,
-        norm_layout: NormLayout::Sandwich,
-        embed_scale: Some((c.hidden_size as f32).sqrt()),
-        tie_word_embeddings: c.tie_word_embeddings.unwrap_or(true),
         final_logit_softcap: cfg.final_logit_softcapping,
         layers,
-        ..c.decoder("gemma3_text", &path, "gelu_pytorch_tanh")?
+        ..c.gemma_decoder("gemma3_text", &path, NormLayout::Sandwich)?
     })
 }
 

@@ -17,6 +17,21 @@ struct Quantized {
     bits: i32,
 }
 
+impl Quantized {
+    /// `x Wᵀ` with the packed weight (linear layers and tied heads alike).
+    fn matmul_t(&self, x: &Array) -> Result<Array> {
+        Ok(quantized_matmul(
+            x,
+            &self.weight,
+            &self.scales,
+            &self.biases,
+            true,
+            self.group_size,
+            self.bits,
+        )?)
+    }
+}
+
 /// Finds `prefix.{weight,scales,biases}` of a quantized layer and infers bits and group
 /// size from their shapes (a packed u32 row holds `32 / bits` values; one scale per group).
 fn load_quantized(
@@ -143,15 +158,7 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
             LinearWeight::Dense { weight_t } => matmul(x, weight_t)?,
-            LinearWeight::Quantized(q) => quantized_matmul(
-                x,
-                &q.weight,
-                &q.scales,
-                &q.biases,
-                true,
-                q.group_size,
-                q.bits,
-            )?,
+            LinearWeight::Quantized(q) => q.matmul_t(x)?,
         };
         match &self.bias {
             Some(b) => Ok(y.add(b)?),
@@ -204,15 +211,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.table {
             Err(dense) => Ok(matmul(x, dense.t())?),
-            Ok(q) => Ok(quantized_matmul(
-                x,
-                &q.weight,
-                &q.scales,
-                &q.biases,
-                true,
-                q.group_size,
-                q.bits,
-            )?),
+            Ok(q) => q.matmul_t(x),
         }
     }
 

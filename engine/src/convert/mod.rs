@@ -14,7 +14,7 @@ use mlx_rs::{Array, Dtype};
 pub use config::SUPPORTED_ARCHITECTURES;
 use tensors::{hf_name, is_norm_weight, unpermute_qk};
 
-use crate::gguf::{GgufError, GgufFile, GgufValue};
+use crate::gguf::{GgufError, GgufFile};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
@@ -63,13 +63,6 @@ pub struct ConvertReport {
     pub model_type: String,
     pub tensors: usize,
     pub shards: usize,
-}
-
-pub(crate) fn meta_bool(g: &GgufFile, key: &str) -> Option<bool> {
-    match g.metadata().get(key) {
-        Some(GgufValue::Bool(b)) => Some(*b),
-        _ => None,
-    }
 }
 
 /// Output shards are cut at about this many bytes, so memory stays bounded.

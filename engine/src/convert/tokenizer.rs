@@ -97,7 +97,9 @@ pub fn tokenizer_files(g: &GgufFile) -> Result<(Value, Value, Value), ConvertErr
     let bos = special_id(g, "bos");
     let eos = special_id(g, "eos");
     let token = |id: Option<u64>| id.and_then(|i| v.tokens.get(i as usize).cloned());
-    let add_bos = super::meta_bool(g, "tokenizer.ggml.add_bos_token").unwrap_or(kind == "llama");
+    let add_bos = g
+        .get_bool("tokenizer.ggml.add_bos_token")
+        .unwrap_or(kind == "llama");
 
     let (model, normalizer, pre_tokenizer, decoder) = match kind {
         "gpt2" => {
@@ -116,7 +118,7 @@ pub fn tokenizer_files(g: &GgufFile) -> Result<(Value, Value, Value), ConvertErr
                 "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
                 "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": sentencepiece_merges(&v)});
             // SentencePiece marks spaces with ▁; gemma adds no dummy prefix.
-            let prefix = super::meta_bool(g, "tokenizer.ggml.add_space_prefix").unwrap_or(false);
+            let prefix = g.get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(false);
             let mut normalizers = vec![];
             if prefix {
                 normalizers.push(json!({"type": "Prepend", "prepend": "▁"}));
@@ -169,7 +171,8 @@ pub fn tokenizer_files(g: &GgufFile) -> Result<(Value, Value, Value), ConvertErr
         .into_iter()
         .flatten()
         .collect();
-    eos_ids.dedup();
+    let mut seen = std::collections::HashSet::new();
+    eos_ids.retain(|id| seen.insert(*id));
     let generation = json!({"bos_token_id": bos, "eos_token_id": eos_ids});
     Ok((tokenizer, config, generation))
 }
