@@ -4,7 +4,9 @@
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
-use dspec_plugin_api::{Draft, Drafter};
+use dspec_plugin_api::{
+    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, TargetModel, TokenPicker,
+};
 
 /// Finds the continuation of the most recent earlier match of the history's last `n`
 /// tokens (trying `n`, then shorter suffixes down to `min_n`), up to `max_k` tokens.
@@ -51,12 +53,23 @@ impl Drafter for NgramDrafter {
         "ngram"
     }
 
-    fn begin(&mut self, prompt: &[u32], _hidden: Option<&Array>) -> Result<()> {
+    fn begin(
+        &mut self,
+        _target: &dyn TargetModel,
+        prompt: &[u32],
+        _hidden: Option<&Array>,
+    ) -> Result<()> {
         self.history = prompt.to_vec();
         Ok(())
     }
 
-    fn propose(&mut self, last: u32, max_k: usize) -> Result<Draft> {
+    fn propose(
+        &mut self,
+        _target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        _picker: &mut dyn TokenPicker,
+    ) -> Result<Draft> {
         self.history.push(last);
         let tokens = propose(&self.history, self.n, 1, max_k);
         self.history.pop();
@@ -69,6 +82,23 @@ impl Drafter for NgramDrafter {
     fn commit(&mut self, verified: &[u32], _hidden: Option<&Array>) -> Result<()> {
         self.history.extend_from_slice(verified);
         Ok(())
+    }
+}
+
+fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
+    if request.options.ngram == 0 {
+        return Err(request.mismatch("--ngram must be at least 1"));
+    }
+    Ok(Box::new(NgramDrafter::new(request.options.ngram)))
+}
+
+inventory::submit! {
+    DrafterRegistration {
+        kind: "ngram",
+        summary: "prompt lookup: continues the latest earlier match of the last n tokens (--ngram N)",
+        detect: |_| false,
+        by_name: true,
+        load,
     }
 }
 
@@ -102,15 +132,34 @@ mod tests {
         assert!(propose(&[1, 1], 2, 1, 0).is_empty());
     }
 
+    /// A picker the n-gram drafter must never call: it has no logits.
+    struct NoPicker;
+    impl TokenPicker for NoPicker {
+        fn is_greedy(&self) -> bool {
+            true
+        }
+        fn pick(&mut self, _logits: &Array) -> Result<dspec_plugin_api::Picked> {
+            panic!("ngram drafter has no logits to pick from")
+        }
+    }
+
     #[test]
     fn drafter_sees_the_last_token_and_committed_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let fixtures = dspec_adapters::fixtures::TINY_LLAMA;
+        dspec_adapters::fixtures::write_random_model(dir.path(), fixtures, 1, None).unwrap();
+        let target = dspec_adapters::fixtures::load_dir(dir.path(), &Default::default()).unwrap();
+        let t = target.as_ref();
         let mut d = NgramDrafter::new(2);
-        d.begin(&[10, 11, 12, 13, 10], None).unwrap();
+        d.begin(t, &[10, 11, 12, 13, 10], None).unwrap();
         // history + last = [10 11 12 13 10 11] -> "10 11" was followed by 12, 13.
-        assert_eq!(d.propose(11, 2).unwrap().tokens, vec![12, 13]);
+        assert_eq!(
+            d.propose(t, 11, 2, &mut NoPicker).unwrap().tokens,
+            vec![12, 13]
+        );
         d.commit(&[11, 12], None).unwrap(); // last 11 and one accepted draft, 12
         assert_eq!(
-            d.propose(14, 3).unwrap().tokens,
+            d.propose(t, 14, 3, &mut NoPicker).unwrap().tokens,
             Vec::<u32>::new(),
             "14 never seen"
         );

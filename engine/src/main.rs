@@ -297,8 +297,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
                 tokenizer,
                 &prompt_ids,
                 &config,
-                &mut drafter,
-                args.max_draft,
+                dspec_engine::speculative::Speculation {
+                    drafter: &mut drafter,
+                    max_draft: args.max_draft,
+                    trace: None,
+                },
                 &mut on_text,
             )?;
             let generation = GenerationOutput {

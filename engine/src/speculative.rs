@@ -1,18 +1,29 @@
-//! Speculative decoding, greedy: the drafter proposes k tokens, the target verifies
-//! `[last, d1..dk]` in one forward, the longest prefix matching the target's own argmax
-//! is kept plus the target's next token, and the cache is trimmed of the rest. The
-//! output is token for token what plain greedy decoding gives.
+//! Speculative decoding: the drafter proposes k tokens, the target verifies
+//! `[last, d1..dk]` in one forward, a prefix of the drafts is kept plus one token of
+//! the target's own, and the cache is trimmed of the rest.
+//!
+//! Greedy: the kept prefix is the one matching the target's argmax, so the output is
+//! token for token plain greedy decoding's. Sampling: each draft d is kept with
+//! probability min(1, p(d)/q(d)) and the first rejection is replaced by a sample from
+//! max(0, p − q) renormalised (p: the target's processed distribution, q: the
+//! drafter's, one-hot for drafters without one), so the output has exactly the
+//! target's distribution.
 
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::{Array, Dtype};
 use serde::Serialize;
 
-use dspec_plugin_api::{Drafter, TargetModel};
+use dspec_plugin_api::error::Result as ModelResult;
+use dspec_plugin_api::{Draft, Drafter, ModelError, Picked, TargetModel, TokenPicker};
 
 use crate::error::EngineError;
-use crate::generate::{prefill_with_taps, GenerationConfig, GenerationStats, StopReason, TextSink};
+use crate::generate::{
+    logits_to_host, prefill_with_taps, GenerationConfig, GenerationStats, StopReason, TextSink,
+};
+use crate::sampling::{probabilities, Sampler, SamplingParams};
 use crate::tokenizer::TextTokenizer;
 
 /// How well drafting went.
@@ -39,7 +50,7 @@ pub struct SpeculativeOutput {
     pub speculative: SpeculativeStats,
 }
 
-/// Argmax of every position of `[1, L, V]` logits, on the host (one sync per round).
+/// Argmax of every position of `[.., V]` logits, on the host (one sync for all rows).
 fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
     let ids = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
     ids.eval()?;
@@ -47,6 +58,127 @@ fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
         .try_as_slice::<u32>()
         .map_err(|e| EngineError::Mlx(e.to_string()))?
         .to_vec())
+}
+
+/// Every row of `[.., V]` logits as the processed distribution `params` samples from.
+fn distributions(logits: &Array, params: &SamplingParams) -> Result<Vec<Vec<f32>>, EngineError> {
+    let vocab = logits.shape().last().copied().unwrap_or(0).max(1) as usize;
+    let host = logits_to_host(logits)?;
+    Ok(host
+        .chunks(vocab)
+        .map(|row| probabilities(row, params))
+        .collect())
+}
+
+/// The engine's [`TokenPicker`]: argmax on the device under greedy decoding, else a
+/// sample from the same processed distribution the target is sampled from.
+struct EnginePicker<'a> {
+    sampler: Option<&'a mut Sampler>,
+}
+
+impl TokenPicker for EnginePicker<'_> {
+    fn is_greedy(&self) -> bool {
+        self.sampler.is_none()
+    }
+
+    fn pick(&mut self, logits: &Array) -> ModelResult<Picked> {
+        let to_model = |e: EngineError| ModelError::Unsupported(e.to_string());
+        match self.sampler.as_deref_mut() {
+            None => Ok(Picked {
+                tokens: argmax_all(logits).map_err(to_model)?,
+                probs: None,
+            }),
+            Some(sampler) => {
+                let probs = distributions(logits, sampler.params()).map_err(to_model)?;
+                let tokens = probs.iter().map(|p| sampler.sample_from(p)).collect();
+                Ok(Picked {
+                    tokens,
+                    probs: Some(probs),
+                })
+            }
+        }
+    }
+}
+
+/// Lossless acceptance of `draft` against the target's `logits` over `[last, d1..dk]`:
+/// returns how many drafts are kept and the token the target adds after them.
+fn accept(
+    logits: &Array,
+    draft: &Draft,
+    sampler: Option<&mut Sampler>,
+) -> Result<(usize, u32), EngineError> {
+    let Some(sampler) = sampler else {
+        // Greedy: the longest prefix equal to the target's argmax, then its argmax.
+        let target = argmax_all(logits)?;
+        let accepted = draft
+            .tokens
+            .iter()
+            .zip(&target)
+            .take_while(|(d, t)| d == t)
+            .count();
+        return Ok((accepted, target[accepted]));
+    };
+    let p = distributions(logits, sampler.params())?;
+    for (i, &d) in draft.tokens.iter().enumerate() {
+        let vocab = p[i].len();
+        // The drafter's q at this position; one-hot when it has none (or when its q
+        // gives its own token no mass, which only a broken drafter does).
+        let q = match draft.probs.as_ref().and_then(|q| q.get(i)) {
+            Some(q) if q.len() == vocab && q.get(d as usize).is_some_and(|&x| x > 0.0) => q.clone(),
+            _ => {
+                let mut one_hot = vec![0.0; vocab];
+                if let Some(x) = one_hot.get_mut(d as usize) {
+                    *x = 1.0;
+                }
+                one_hot
+            }
+        };
+        let (pd, qd) = (
+            f64::from(p[i].get(d as usize).copied().unwrap_or(0.0)),
+            f64::from(q.get(d as usize).copied().unwrap_or(1.0)),
+        );
+        // Accept d with probability min(1, p(d)/q(d)).
+        if sampler.uniform() * qd < pd {
+            continue;
+        }
+        // Rejected: the target's token comes from the residual max(0, p − q).
+        let residual: Vec<f32> = p[i]
+            .iter()
+            .zip(&q)
+            .map(|(&a, &b)| (a - b).max(0.0))
+            .collect();
+        let token = if residual.iter().any(|&r| r > 0.0) {
+            sampler.sample_from(&residual)
+        } else {
+            sampler.sample_from(&p[i])
+        };
+        return Ok((i, token));
+    }
+    let bonus = sampler.sample_from(&p[draft.tokens.len()]);
+    Ok((draft.tokens.len(), bonus))
+}
+
+/// One line of `--trace`: what a round drafted and what the target kept.
+#[derive(Debug, Clone, Serialize)]
+pub struct RoundTrace {
+    pub round: usize,
+    /// Tokens committed before this round.
+    pub position: usize,
+    pub drafted: Vec<u32>,
+    pub accepted: usize,
+    /// The target's own token after the accepted drafts.
+    pub target_token: u32,
+    pub draft_ms: f64,
+    pub verify_ms: f64,
+}
+
+/// What drives a speculative generation besides the target.
+pub struct Speculation<'a> {
+    pub drafter: &'a mut dyn Drafter,
+    /// Most drafts verified per round.
+    pub max_draft: usize,
+    /// Receives one JSON line per round when set.
+    pub trace: Option<&'a mut dyn Write>,
 }
 
 /// Commits tokens one at a time, stopping exactly where plain decoding would.
@@ -77,21 +209,27 @@ impl Committer<'_> {
     }
 }
 
-/// Greedy speculative generation with `drafter`, at most `max_draft` drafts a round.
+/// Speculative generation: greedy or sampled as `config.sampling` says, lossless
+/// either way.
 pub fn generate_speculative(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
     prompt: &[u32],
     config: &GenerationConfig,
-    drafter: &mut dyn Drafter,
-    max_draft: usize,
+    speculation: Speculation<'_>,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<SpeculativeOutput, EngineError> {
-    if !config.sampling.is_greedy() {
+    let Speculation {
+        drafter,
+        max_draft,
+        mut trace,
+    } = speculation;
+    if max_draft == 0 {
         return Err(EngineError::Invalid(
-            "speculative decoding with sampling is not available yet: use --temperature 0, or drop --drafter".into(),
+            "--max-draft must be at least 1".into(),
         ));
     }
+    let mut sampler = (!config.sampling.is_greedy()).then(|| Sampler::new(config.sampling.clone()));
     let context_limit = model.info().max_context.unwrap_or(usize::MAX);
     if prompt.len() >= context_limit {
         return Err(EngineError::PromptTooLong {
@@ -110,10 +248,13 @@ pub fn generate_speculative(
 
     let start = Instant::now();
     let (logits, prompt_hidden) = prefill_with_taps(model, &mut cache, prompt, &taps)?;
-    let mut last = argmax_all(&logits)?[0];
+    let mut last = match sampler.as_mut() {
+        None => argmax_all(&logits)?[0],
+        Some(s) => s.sample(&logits_to_host(&logits)?),
+    };
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
-    drafter.begin(prompt, prompt_hidden.as_ref())?;
+    drafter.begin(model, prompt, prompt_hidden.as_ref())?;
 
     let mut draft_time = Duration::ZERO;
     let mut histogram = vec![0usize; max_draft + 1];
@@ -125,37 +266,61 @@ pub fn generate_speculative(
             .min(committer.context_left - committer.tokens.len());
         let k = max_draft.min(room.saturating_sub(1));
         let t = Instant::now();
-        let mut draft = drafter.propose(last, k)?.tokens;
-        draft_time += t.elapsed();
-        draft.truncate(k);
+        let mut draft = drafter.propose(
+            model,
+            last,
+            k,
+            &mut EnginePicker {
+                sampler: sampler.as_mut(),
+            },
+        )?;
+        let draft_elapsed = t.elapsed();
+        draft_time += draft_elapsed;
+        draft.tokens.truncate(k);
+        if let Some(probs) = draft.probs.as_mut() {
+            probs.truncate(draft.tokens.len());
+        }
 
-        let mut input = Vec::with_capacity(1 + draft.len());
+        let t = Instant::now();
+        let mut input = Vec::with_capacity(1 + draft.tokens.len());
         input.push(last);
-        input.extend_from_slice(&draft);
+        input.extend_from_slice(&draft.tokens);
         let out = model.forward(
             &Array::from_slice(&input, &[1, input.len() as i32]),
             &mut cache,
             &taps,
         )?;
-        let target = argmax_all(&out.logits)?;
-        let accepted = draft
-            .iter()
-            .zip(&target)
-            .take_while(|(d, t)| d == t)
-            .count();
-        cache.trim(draft.len() - accepted);
+        let (accepted, next) = accept(&out.logits, &draft, sampler.as_mut())?;
+        cache.trim(draft.tokens.len() - accepted);
         let hidden = match &out.hidden {
             Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
             None => None,
         };
         drafter.commit(&input[..1 + accepted], hidden.as_ref())?;
+        if let Some(out) = trace.as_deref_mut() {
+            let line = RoundTrace {
+                round: forwards,
+                position: committer.tokens.len(),
+                drafted: draft.tokens.clone(),
+                accepted,
+                target_token: next,
+                draft_ms: draft_elapsed.as_secs_f64() * 1e3,
+                verify_ms: t.elapsed().as_secs_f64() * 1e3,
+            };
+            serde_json::to_writer(&mut *out, &line)
+                .map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
+            writeln!(out).map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
+        }
         forwards += 1;
-        drafted += draft.len();
+        drafted += draft.tokens.len();
         accepted_total += accepted;
         histogram[accepted] += 1;
 
-        last = target[accepted];
-        for &token in draft[..accepted].iter().chain(std::iter::once(&last)) {
+        last = next;
+        for &token in draft.tokens[..accepted]
+            .iter()
+            .chain(std::iter::once(&last))
+        {
             stop = committer.push(token)?;
             if stop.is_some() {
                 break;

@@ -8,10 +8,10 @@ use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
 use dspec_engine::sampling::SamplingParams;
-use dspec_engine::speculative::generate_speculative;
+use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{Draft, Drafter, LoadOptions};
+use dspec_plugin_api::{Draft, Drafter, LoadOptions, TargetModel, TokenPicker};
 
 fn load(overrides: &str, seed: u64) -> (tempfile::TempDir, LoadedModel) {
     let dir = tempfile::tempdir().unwrap();
@@ -54,11 +54,22 @@ impl Drafter for NoisyOracle {
     fn taps(&self) -> &[usize] {
         &[0, 1]
     }
-    fn begin(&mut self, _prompt: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
+    fn begin(
+        &mut self,
+        _target: &dyn TargetModel,
+        _prompt: &[u32],
+        hidden: Option<&Array>,
+    ) -> ModelResult<()> {
         assert!(hidden.is_some(), "taps were declared");
         Ok(())
     }
-    fn propose(&mut self, last: u32, max_k: usize) -> ModelResult<Draft> {
+    fn propose(
+        &mut self,
+        _target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        _picker: &mut dyn TokenPicker,
+    ) -> ModelResult<Draft> {
         assert_eq!(
             Some(&last),
             self.truth.get(self.seen),
@@ -83,6 +94,14 @@ impl Drafter for NoisyOracle {
         self.hidden_checks += 1;
         self.seen += verified.len();
         Ok(())
+    }
+}
+
+fn spec(drafter: &mut dyn Drafter, max_draft: usize) -> Speculation<'_> {
+    Speculation {
+        drafter,
+        max_draft,
+        trace: None,
     }
 }
 
@@ -123,8 +142,7 @@ fn noisy_oracle_speculation_equals_greedy_with_every_acceptance_length() {
             &loaded.tokenizer,
             &prompt,
             &config(40, vec![], vec![]),
-            &mut drafter,
-            4,
+            spec(&mut drafter, 4),
             &mut |_| {},
         )
         .unwrap();
@@ -168,8 +186,7 @@ fn eos_and_max_tokens_inside_an_accepted_block_stop_like_plain_decoding() {
             &loaded.tokenizer,
             &prompt,
             &config(max_tokens, vec![], vec![]),
-            &mut d,
-            5,
+            spec(&mut d, 5),
             &mut |_| {},
         )
         .unwrap();
@@ -196,8 +213,7 @@ fn eos_and_max_tokens_inside_an_accepted_block_stop_like_plain_decoding() {
         &loaded.tokenizer,
         &prompt,
         &config(40, vec![eos], vec![]),
-        &mut d,
-        5,
+        spec(&mut d, 5),
         &mut |_| {},
     )
     .unwrap();
@@ -243,8 +259,7 @@ fn stop_strings_inside_a_block_cut_the_text_like_plain_decoding() {
         &loaded.tokenizer,
         &prompt,
         &cfg,
-        &mut d,
-        5,
+        spec(&mut d, 5),
         &mut |s| streamed.push_str(s),
     )
     .unwrap();
@@ -276,8 +291,7 @@ fn ngram_speculation_equals_greedy_on_repetitive_prompts() {
             &loaded.tokenizer,
             &prompt,
             &config(48, vec![], vec![]),
-            &mut drafter,
-            6,
+            spec(&mut drafter, 6),
             &mut |_| {},
         )
         .unwrap();
@@ -287,28 +301,4 @@ fn ngram_speculation_equals_greedy_on_repetitive_prompts() {
             "{overrides}: the repetitive prompt gives n-gram matches"
         );
     }
-}
-
-#[test]
-fn sampling_with_a_drafter_is_refused_for_now() {
-    let (_dir, loaded) = load("{}", 1);
-    let prompt = loaded.tokenizer.encode_prompt("x", false).unwrap();
-    let cfg = GenerationConfig {
-        sampling: SamplingParams {
-            temperature: 0.7,
-            ..SamplingParams::default()
-        },
-        ..config(4, vec![], vec![])
-    };
-    let err = generate_speculative(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        &prompt,
-        &cfg,
-        &mut NgramDrafter::new(2),
-        4,
-        &mut |_| {},
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("--temperature 0"), "{err}");
 }

@@ -1,10 +1,18 @@
 //! `Drafter`: what proposes tokens for the target to verify. The engine owns the loop;
 //! a drafter sees the prompt once, proposes up to k tokens per round, and is told
 //! which tokens were committed (with the target's hidden states at its tap layers).
+//!
+//! Drafter kinds register through `inventory` like adapters do; the engine picks one
+//! from `--drafter` (a kind name such as `ngram`, or a checkpoint whose config.json a
+//! kind recognises) and loads it against the target's `ModelInfo`, so every mismatch
+//! (vocabulary, hidden width, tap layers, mask token) is caught before decoding.
 
-use mlx_rs::Array;
+use std::path::Path;
 
-use crate::error::Result;
+use mlx_rs::{Array, Dtype};
+
+use crate::error::{ModelError, Result};
+use crate::target::{ModelInfo, TargetModel};
 
 /// Tokens proposed for one round, with the drafter's distribution over the vocabulary
 /// at each position when it has one (needed for lossless sampling; `None` = one-hot).
@@ -12,6 +20,40 @@ use crate::error::Result;
 pub struct Draft {
     pub tokens: Vec<u32>,
     pub probs: Option<Vec<Vec<f32>>>,
+}
+
+impl Draft {
+    /// Appends picked tokens (and their distributions, when the picker sampled).
+    pub fn extend(&mut self, picked: Picked) {
+        let first = self.tokens.is_empty();
+        self.tokens.extend(picked.tokens);
+        match (picked.probs, &mut self.probs) {
+            (Some(p), Some(mine)) => mine.extend(p),
+            (Some(p), None) if first => self.probs = Some(p),
+            // Mixing picked-with and picked-without distributions cannot happen with
+            // one picker; drop them rather than misalign positions.
+            _ => self.probs = None,
+        }
+    }
+}
+
+/// Tokens chosen from drafter logits, one per row.
+#[derive(Debug, Clone, Default)]
+pub struct Picked {
+    pub tokens: Vec<u32>,
+    /// Under sampling: each row's processed distribution (length vocab, sums to 1).
+    pub probs: Option<Vec<Vec<f32>>>,
+}
+
+/// How the engine turns a drafter's logits into tokens: argmax under greedy decoding,
+/// or a sample from the same processed distribution (temperature, top-k, top-p) the
+/// target is sampled with, so the drafter's `q` is known for rejection sampling.
+pub trait TokenPicker {
+    fn is_greedy(&self) -> bool;
+
+    /// One token per row of `logits` (`[n, vocab]`, any float dtype), rows picked
+    /// independently. Greedy picking costs one host sync for all rows.
+    fn pick(&mut self, logits: &Array) -> Result<Picked>;
 }
 
 pub trait Drafter: Send {
@@ -25,15 +67,123 @@ pub trait Drafter: Send {
 
     /// Starts a sequence: the prompt ids and, when taps are declared, the target's
     /// hidden states over the prompt (`[1, L, taps × hidden]`).
-    fn begin(&mut self, prompt: &[u32], hidden: Option<&Array>) -> Result<()>;
+    fn begin(
+        &mut self,
+        target: &dyn TargetModel,
+        prompt: &[u32],
+        hidden: Option<&Array>,
+    ) -> Result<()>;
 
     /// Proposes up to `max_k` tokens to follow `last` (the newest committed token,
-    /// not yet seen by the target). Fewer, or none, is fine.
-    fn propose(&mut self, last: u32, max_k: usize) -> Result<Draft>;
+    /// not yet seen by the target). Fewer, or none, is fine. Drafters that produce
+    /// logits choose their tokens through `picker`; `target` gives access to the
+    /// target's embedding and lm_head for drafters that share them.
+    fn propose(
+        &mut self,
+        target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        picker: &mut dyn TokenPicker,
+    ) -> Result<Draft>;
 
     /// Reports a round's outcome: `verified` are the positions the target kept this
     /// round, `[last, accepted drafts…]` (now in its cache), and `hidden` the target's
     /// states at exactly those positions when taps are declared. The target's own next
     /// token is not among them: it arrives as `last` of the next `propose`.
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()>;
+}
+
+/// User choices that shape how a drafter loads.
+#[derive(Debug, Clone, Default)]
+pub struct DrafterOptions {
+    /// `--drafter-bits`: `Some(4 | 8)` quantizes the drafter's weights on load,
+    /// `Some(0)` keeps full precision, `None` takes the kind's default.
+    pub bits: Option<i32>,
+    /// `--confidence-threshold` for drafters with a confidence head.
+    pub confidence_threshold: Option<f32>,
+    /// `--ngram`: longest n-gram prompt lookup matches.
+    pub ngram: usize,
+    /// Activation dtype; the engine passes the target's.
+    pub dtype: Option<Dtype>,
+}
+
+/// Loads a model directory through the engine's adapter registry (built-ins and
+/// plugins): how the draft-model drafter gets its model.
+pub type ModelLoader<'a> = &'a dyn Fn(&Path) -> Result<Box<dyn TargetModel>>;
+
+/// Everything a drafter constructor gets.
+pub struct DrafterLoadRequest<'a> {
+    /// The drafter's checkpoint directory (`None` for kinds chosen by name only).
+    pub dir: Option<&'a Path>,
+    /// Its parsed config.json (`Null` without a checkpoint).
+    pub config: &'a serde_json::Value,
+    /// The target the drafter must fit.
+    pub target: &'a ModelInfo,
+    pub options: &'a DrafterOptions,
+    pub load_model: ModelLoader<'a>,
+}
+
+impl DrafterLoadRequest<'_> {
+    /// The error for a drafter that does not fit the target: names the drafter's
+    /// config file and what differs.
+    pub fn mismatch(&self, message: impl Into<String>) -> ModelError {
+        let path = match self.dir {
+            Some(dir) => dir.join("config.json"),
+            None => "--drafter".into(),
+        };
+        ModelError::DrafterMismatch {
+            path,
+            message: message.into(),
+        }
+    }
+}
+
+/// Constructor of a drafter kind.
+pub type DrafterLoadFn = fn(&DrafterLoadRequest) -> Result<Box<dyn Drafter>>;
+
+/// A drafter kind, submitted with `inventory::submit!`.
+pub struct DrafterRegistration {
+    /// The kind's name: what `--drafter NAME` selects and what stats show.
+    pub kind: &'static str,
+    /// One line for `dspec adapters` and error messages.
+    pub summary: &'static str,
+    /// Whether a checkpoint's config.json is of this kind (`false` for kinds that
+    /// have no checkpoint, such as `ngram`).
+    pub detect: fn(&serde_json::Value) -> bool,
+    /// Whether `--drafter NAME` alone (no checkpoint) selects this kind.
+    pub by_name: bool,
+    pub load: DrafterLoadFn,
+}
+
+inventory::collect!(DrafterRegistration);
+
+/// Every registered drafter kind, sorted by name; a kind registered twice is an error.
+pub fn drafter_kinds() -> Result<Vec<&'static DrafterRegistration>> {
+    let mut kinds: Vec<&'static DrafterRegistration> =
+        inventory::iter::<DrafterRegistration>.into_iter().collect();
+    kinds.sort_by_key(|k| k.kind);
+    for pair in kinds.windows(2) {
+        if pair[0].kind == pair[1].kind {
+            return Err(ModelError::DuplicateRegistration {
+                key: pair[0].kind.to_string(),
+                first: "a drafter registration".into(),
+                second: "another drafter registration".into(),
+            });
+        }
+    }
+    Ok(kinds)
+}
+
+/// The kind whose `detect` accepts `config`, if exactly one does.
+pub fn detect_drafter_kind(
+    config: &serde_json::Value,
+) -> Result<Option<&'static DrafterRegistration>> {
+    Ok(drafter_kinds()?.into_iter().find(|k| (k.detect)(config)))
+}
+
+/// The kind selected by name (`ngram`, …) when it may be chosen without a checkpoint.
+pub fn drafter_kind_by_name(name: &str) -> Result<Option<&'static DrafterRegistration>> {
+    Ok(drafter_kinds()?
+        .into_iter()
+        .find(|k| k.by_name && k.kind == name))
 }

@@ -65,6 +65,9 @@ pub enum ModelError {
         second: String,
     },
 
+    #[error("drafter {path} does not fit the target: {message}")]
+    DrafterMismatch { path: PathBuf, message: String },
+
     #[error("MLX error: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
 

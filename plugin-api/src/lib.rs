@@ -13,7 +13,10 @@ pub mod target;
 pub mod weights;
 
 pub use cache::{KvCache, ModelCache};
-pub use drafter::{Draft, Drafter};
+pub use drafter::{
+    detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Draft, Drafter, DrafterLoadRequest,
+    DrafterOptions, DrafterRegistration, Picked, TokenPicker,
+};
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
 pub use target::{ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel};
