@@ -1,4 +1,8 @@
 //! Drafters propose the tokens the target then verifies in one forward pass.
-//! Each kind lives in its own file; so far: n-gram prompt lookup.
+//! Each kind lives in its own file and registers itself through `inventory`.
 
+pub mod draft_model;
 pub mod ngram;
+
+/// Forces the linker to keep this crate's drafter registrations.
+pub fn link() {}

@@ -1,9 +1,11 @@
 //! dspec's engine: everything between a model directory on disk and streamed text —
 //! resolving and loading targets, tokenization and chat templates, sampling, the decode loops.
 
+pub mod bench;
 pub mod chat_template;
 pub mod convert;
 pub mod detokenize;
+pub mod drafting;
 pub mod error;
 pub mod generate;
 pub mod gguf;

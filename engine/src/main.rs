@@ -7,13 +7,16 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use mlx_rs::Dtype;
 
+use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
 use dspec_engine::chat_template::{ChatMessage, ChatTemplate};
+use dspec_engine::drafting::{available_drafters, load_drafter};
 use dspec_engine::generate::{generate, GenerationConfig, GenerationOutput};
 use dspec_engine::loading::{builtin_registry, load_model};
 use dspec_engine::runtime::{version_report, Backend};
 use dspec_engine::sampling::SamplingParams;
-use dspec_engine::speculative::generate_speculative;
-use dspec_plugin_api::{LoadOptions, Quantization};
+use dspec_engine::speculative::{generate_speculative, Speculation};
+use dspec_engine::tokenizer::TextTokenizer;
+use dspec_plugin_api::{DrafterOptions, LoadOptions, Quantization};
 
 #[derive(Parser)]
 #[command(
@@ -37,6 +40,8 @@ enum Command {
     Adapters(AdaptersArgs),
     /// Convert a GGUF model file into a model directory `dspec generate` loads.
     Convert(ConvertArgs),
+    /// Plain greedy vs speculative decoding on the same prompts, in one process.
+    Bench(BenchArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -145,15 +150,82 @@ struct GenerateArgs {
     /// Print one JSON object with the text and statistics.
     #[arg(long)]
     json: bool,
-    /// Speculative decoding with this drafter: `ngram` (prompt lookup).
+    /// Speculative decoding with this drafter: `ngram` (prompt lookup), a DFlash or
+    /// DSpark checkpoint (directory or cached hub id; its config.json says which), or
+    /// `model:DIR` (a smaller model with the target's tokenizer).
     #[arg(long)]
     drafter: Option<String>,
+    #[command(flatten)]
+    tuning: DraftTuning,
+    /// Write one JSON line per speculative round (drafted tokens, accepted count) here.
+    #[arg(long, requires = "drafter")]
+    trace: Option<PathBuf>,
+}
+
+/// How a drafter drafts; shared by `generate` and `bench`.
+#[derive(Args)]
+struct DraftTuning {
     /// Longest n-gram the `ngram` drafter matches.
     #[arg(long, default_value_t = 3)]
     ngram: usize,
     /// Most tokens drafted per round.
     #[arg(long, default_value_t = 5)]
     max_draft: usize,
+    /// Quantize the drafter's weights on load: 4, 8, or 0 for full precision
+    /// (default: DSpark 4, others full precision).
+    #[arg(long, value_parser = ["0", "4", "8"])]
+    drafter_bits: Option<String>,
+    /// Cut a DSpark block where the drafter's confidence drops below this (0..1).
+    #[arg(long)]
+    confidence_threshold: Option<f32>,
+}
+
+impl DraftTuning {
+    fn options(&self, target_dtype: Dtype) -> Result<DrafterOptions> {
+        if self.max_draft == 0 {
+            bail!("--max-draft must be at least 1");
+        }
+        if self.ngram == 0 {
+            bail!("--ngram must be at least 1");
+        }
+        if let Some(t) = self.confidence_threshold {
+            if !(0.0..=1.0).contains(&t) {
+                bail!("--confidence-threshold must be between 0 and 1, got {t}");
+            }
+        }
+        Ok(DrafterOptions {
+            bits: match self.drafter_bits.as_deref() {
+                Some(b) => Some(b.parse().context("--drafter-bits takes 0, 4 or 8")?),
+                None => None,
+            },
+            confidence_threshold: self.confidence_threshold,
+            ngram: self.ngram,
+            dtype: Some(target_dtype),
+        })
+    }
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The drafter to measure (as for `generate --drafter`).
+    #[arg(long)]
+    drafter: String,
+    #[command(flatten)]
+    tuning: DraftTuning,
+    /// Prompts to run: one per line, or JSON lines with a "prompt" field.
+    /// Default: a built-in set (code, chat, a repetitive edit).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Feed prompts as raw text instead of through the model's chat template.
+    #[arg(long)]
+    no_chat_template: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -173,6 +245,7 @@ fn main() {
         (false, Some(Command::Generate(args))) => run_generate(args),
         (false, Some(Command::Adapters(args))) => run_adapters(args),
         (false, Some(Command::Convert(args))) => run_convert(args),
+        (false, Some(Command::Bench(args))) => run_bench(args),
         (false, None) => {
             eprintln!("dspec: give a command (generate, adapters) or --help");
             std::process::exit(2);
@@ -200,6 +273,38 @@ fn read_prompt(args: &GenerateArgs) -> Result<String> {
             bail!("give a prompt with --prompt TEXT, --prompt - (stdin) or --prompt-file FILE")
         }
     }
+}
+
+/// The prompt as the model expects it: through its chat template (when it has one
+/// and `use_template`), else as raw text.
+fn encode_prompt(
+    tokenizer: &TextTokenizer,
+    text: &str,
+    system: Option<&str>,
+    use_template: bool,
+    enable_thinking: Option<bool>,
+) -> Result<Vec<u32>> {
+    let Some(source) = tokenizer.chat_template().filter(|_| use_template) else {
+        return Ok(tokenizer.encode_prompt(text, false)?);
+    };
+    let template = ChatTemplate::new(source, tokenizer.bos_token(), tokenizer.eos_token())?;
+    let mut messages = Vec::new();
+    if let Some(system) = system {
+        messages.push(ChatMessage {
+            role: "system".into(),
+            content: system.to_string(),
+        });
+    }
+    messages.push(ChatMessage {
+        role: "user".into(),
+        content: text.to_string(),
+    });
+    let mut extra = serde_json::Map::new();
+    if let Some(thinking) = enable_thinking {
+        extra.insert("enable_thinking".into(), thinking.into());
+    }
+    let rendered = template.render(&messages, true, &extra)?;
+    Ok(tokenizer.encode_prompt(&rendered, true)?)
 }
 
 fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
@@ -237,29 +342,13 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
     let tokenizer = &loaded.tokenizer;
 
-    let prompt_ids = match tokenizer.chat_template().filter(|_| !args.no_chat_template) {
-        Some(source) => {
-            let template = ChatTemplate::new(source, tokenizer.bos_token(), tokenizer.eos_token())?;
-            let mut messages = Vec::new();
-            if let Some(system) = &args.system {
-                messages.push(ChatMessage {
-                    role: "system".into(),
-                    content: system.clone(),
-                });
-            }
-            messages.push(ChatMessage {
-                role: "user".into(),
-                content: prompt_text.clone(),
-            });
-            let mut extra = serde_json::Map::new();
-            if let Some(thinking) = args.enable_thinking {
-                extra.insert("enable_thinking".into(), thinking.into());
-            }
-            let rendered = template.render(&messages, true, &extra)?;
-            tokenizer.encode_prompt(&rendered, true)?
-        }
-        None => tokenizer.encode_prompt(&prompt_text, false)?,
-    };
+    let prompt_ids = encode_prompt(
+        tokenizer,
+        &prompt_text,
+        args.system.as_deref(),
+        !args.no_chat_template,
+        args.enable_thinking,
+    )?;
 
     let config = GenerationConfig {
         max_tokens: args.max_tokens,
@@ -287,32 +376,38 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             )?,
             None,
         ),
-        Some("ngram") => {
-            if args.ngram == 0 || args.max_draft == 0 {
-                bail!("--ngram and --max-draft must be at least 1");
-            }
-            let mut drafter = dspec_drafters::ngram::NgramDrafter::new(args.ngram);
+        Some(spec) => {
+            let drafter_options = args.tuning.options(loaded.model.info().dtype)?;
+            let mut drafter = load_drafter(spec, &loaded, &registry, &options, &drafter_options)
+                .with_context(|| format!("loading --drafter {spec}"))?;
+            let mut trace_file = match &args.trace {
+                Some(path) => Some(std::io::BufWriter::new(
+                    std::fs::File::create(path)
+                        .with_context(|| format!("creating --trace {}", path.display()))?,
+                )),
+                None => None,
+            };
             let out = generate_speculative(
                 loaded.model.as_ref(),
                 tokenizer,
                 &prompt_ids,
                 &config,
-                dspec_engine::speculative::Speculation {
-                    drafter: &mut drafter,
-                    max_draft: args.max_draft,
-                    trace: None,
+                Speculation {
+                    drafter: drafter.as_mut(),
+                    max_draft: args.tuning.max_draft,
+                    trace: trace_file.as_mut().map(|f| f as &mut dyn Write),
                 },
                 &mut on_text,
             )?;
+            if let Some(mut f) = trace_file {
+                f.flush().context("writing --trace")?;
+            }
             let generation = GenerationOutput {
                 text: out.text,
                 tokens: out.tokens,
                 stats: out.stats,
             };
             (generation, Some(out.speculative))
-        }
-        Some(other) => {
-            bail!("--drafter `{other}` is not available in this build (available: ngram)")
         }
     };
     let s = &output.stats;
@@ -357,6 +452,68 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             sp.acceptance_histogram,
             100.0 * sp.draft_time_share,
         );
+    }
+    Ok(())
+}
+
+fn run_bench(args: BenchArgs) -> Result<()> {
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let prompts: Vec<String> = match &args.prompts {
+        Some(path) => read_prompts(path)?,
+        None => DEFAULT_PROMPTS.iter().map(|p| p.to_string()).collect(),
+    };
+    let backend = Backend::detect();
+    let options = args.model.load_options(backend)?;
+    let registry = builtin_registry()?;
+    let show_progress = std::io::stderr().is_terminal() && !args.json;
+    let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
+    let drafter_options = args.tuning.options(loaded.model.info().dtype)?;
+    let mut drafter = load_drafter(
+        &args.drafter,
+        &loaded,
+        &registry,
+        &options,
+        &drafter_options,
+    )
+    .with_context(|| format!("loading --drafter {}", args.drafter))?;
+    let ids = prompts
+        .iter()
+        .map(|p| encode_prompt(&loaded.tokenizer, p, None, !args.no_chat_template, None))
+        .collect::<Result<Vec<_>>>()?;
+    let report = bench_prompts(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        drafter.as_mut(),
+        &ids,
+        args.max_tokens,
+        args.tuning.max_draft,
+    )?;
+    if args.json {
+        let info = loaded.model.info();
+        let out = serde_json::json!({
+            "target": loaded.dir,
+            "model_type": info.model_type,
+            "dtype": format!("{:?}", info.dtype),
+            "device": backend.device_name(),
+            "drafter_arg": args.drafter,
+            "report": report,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "target {} on {}, drafter {} (max draft {}), {} greedy tokens per prompt",
+            loaded.dir.display(),
+            backend.device_name(),
+            report.drafter,
+            report.max_draft,
+            report.max_tokens
+        );
+        print!("{}", report.table());
+    }
+    if !report.all_identical {
+        bail!("speculative and plain greedy outputs differ (see the table): this is a bug in dspec, please report it");
     }
     Ok(())
 }
@@ -435,6 +592,12 @@ fn run_adapters(args: AdaptersArgs) -> Result<()> {
     );
     for (key, name, source) in rows {
         println!("{key:<width$}  {name:<name_width$}  {source}");
+    }
+    let drafters = available_drafters()?;
+    let width = drafters.iter().map(|d| d.0.len()).max().unwrap_or(6).max(6);
+    println!("\n{:<width$}  SUMMARY", "DRAFTER");
+    for (kind, summary) in drafters {
+        println!("{kind:<width$}  {summary}");
     }
     Ok(())
 }
