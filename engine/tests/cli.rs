@@ -457,3 +457,161 @@ fn ngram_drafter_gives_the_greedy_text_and_reports_tau() {
     ]);
     assert!(err.contains("--drafter") && err.contains("ngram"), "{err}");
 }
+
+#[test]
+fn trace_writes_one_json_line_per_round() {
+    let model = tiny_model("{}");
+    let m = path_str(model.path());
+    let trace_dir = tempfile::tempdir().expect("temp dir");
+    let trace = trace_dir.path().join("rounds.jsonl");
+    let out = dspec(&[
+        "generate",
+        "--target",
+        m,
+        "--prompt",
+        "do re mi do re mi do re mi do re mi",
+        "--no-chat-template",
+        "--max-tokens",
+        "20",
+        "--drafter",
+        "ngram",
+        "--trace",
+        path_str(&trace),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let text = std::fs::read_to_string(&trace).expect("trace written");
+    let rounds: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(
+        rounds.len() as u64,
+        report["speculative"]["target_forwards"]
+            .as_u64()
+            .expect("forwards")
+    );
+    let accepted: u64 = rounds
+        .iter()
+        .map(|r| r["accepted"].as_u64().expect("accepted"))
+        .sum();
+    assert_eq!(
+        accepted,
+        report["speculative"]["accepted_tokens"]
+            .as_u64()
+            .expect("accepted")
+    );
+    for r in &rounds {
+        assert!(
+            r["drafted"].as_array().expect("drafted").len() as u64
+                >= r["accepted"].as_u64().unwrap_or(0)
+        );
+    }
+    // --trace only makes sense with a drafter.
+    let out = dspec(&[
+        "generate", "--target", m, "--prompt", "x", "--trace", "t.jsonl",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "clap: --trace requires --drafter"
+    );
+}
+
+#[test]
+fn bench_compares_plain_and_speculative_on_the_same_prompts() {
+    // Room for the default prompts, one byte a token with this tokenizer.
+    let model = tiny_model(r#"{"max_position_embeddings": 1024}"#);
+    let m = path_str(model.path());
+    let prompts_dir = tempfile::tempdir().expect("temp dir");
+    let prompts = prompts_dir.path().join("prompts.txt");
+    std::fs::write(
+        &prompts,
+        "ab ab ab ab ab ab ab ab\n\n{\"prompt\": \"multi\\nline prompt\"}\nthird one\n",
+    )
+    .expect("write prompts");
+    let out = dspec(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--prompts",
+        path_str(&prompts),
+        "--max-tokens",
+        "12",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let report = &v["report"];
+    assert_eq!(report["rows"].as_array().expect("rows").len(), 3);
+    assert_eq!(report["all_identical"], true);
+    assert!(report["tau"].as_f64().expect("tau") >= 1.0);
+    assert!(report["speedup"].as_f64().expect("speedup") > 0.0);
+
+    // The table, with the default prompts.
+    let out = dspec(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--max-tokens",
+        "6",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    assert!(
+        table.contains("speedup") && table.contains("identical"),
+        "{table}"
+    );
+    assert_eq!(
+        table.lines().filter(|l| l.contains("identical")).count(),
+        4,
+        "{table}"
+    );
+
+    let err = dspec_fails(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--prompts",
+        "/nonexistent/p.txt",
+    ]);
+    assert!(
+        err.contains("--prompts") && err.contains("/nonexistent/p.txt"),
+        "{err}"
+    );
+    let bad = prompts_dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": 1}\n").expect("write");
+    let err = dspec_fails(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--prompts",
+        path_str(&bad),
+    ]);
+    assert!(
+        err.contains("line 1") && err.contains("\"prompt\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn adapters_lists_drafter_kinds() {
+    let out = dspec(&["adapters"]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    for kind in ["ngram", "draft-model"] {
+        assert!(
+            text.lines().any(|l| l.starts_with(kind)),
+            "{kind} missing from:\n{text}"
+        );
+    }
+}

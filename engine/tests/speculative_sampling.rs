@@ -141,7 +141,13 @@ impl Drafter for FixedDrafter {
         max_k: usize,
         _: &mut dyn TokenPicker,
     ) -> ModelResult<Draft> {
-        let tokens = self.path.iter().skip(self.seen + 1).take(max_k).copied().collect();
+        let tokens = self
+            .path
+            .iter()
+            .skip(self.seen + 1)
+            .take(max_k)
+            .copied()
+            .collect();
         Ok(Draft {
             tokens,
             probs: None,
@@ -220,9 +226,15 @@ fn speculative_sampling_matches_the_targets_distribution() {
         seen: 0,
     };
     let (seen, drafted, accepted) = sample_joint(&target, &mut fixed, &prompt, 1);
-    assert!(drafted > 0 && accepted > 0 && accepted < drafted, "{accepted}/{drafted}");
+    assert!(
+        drafted > 0 && accepted > 0 && accepted < drafted,
+        "{accepted}/{drafted}"
+    );
     let (stat, critical) = chi_square(&expected, &seen);
-    assert!(stat < critical, "one-hot drafter: chi-square {stat:.1} ≥ {critical:.1}");
+    assert!(
+        stat < critical,
+        "one-hot drafter: chi-square {stat:.1} ≥ {critical:.1}"
+    );
 
     // A draft model sampling from its own distribution q (probabilities attached).
     let mut model_drafter = load_drafter(
@@ -237,7 +249,13 @@ fn speculative_sampling_matches_the_targets_distribution() {
     )
     .unwrap();
     let (seen, drafted, accepted) = sample_joint(&target, model_drafter.as_mut(), &prompt, 2);
-    assert!(drafted > 0 && accepted > 0 && accepted < drafted, "{accepted}/{drafted}");
+    assert!(
+        drafted > 0 && accepted > 0 && accepted < drafted,
+        "{accepted}/{drafted}"
+    );
     let (stat, critical) = chi_square(&expected, &seen);
-    assert!(stat < critical, "draft model: chi-square {stat:.1} ≥ {critical:.1}");
+    assert!(
+        stat < critical,
+        "draft model: chi-square {stat:.1} ≥ {critical:.1}"
+    );
 }
