@@ -215,4 +215,59 @@ fn qwen_coder_pair_converts_and_answers() {
         let text = generate(dir, "The capital of France is", "24", &[]);
         assert!(text.contains("Paris"), "{}: {text:?}", dir.display());
     }
+    // The 0.5B drafting for the 1.5B: same greedy output, more than one token a forward.
+    let report = bench(
+        &large,
+        &format!("model:{}", small.display()),
+        "Write a Python function that checks whether a number is prime.",
+        "24",
+    );
+    assert_eq!(report["all_identical"], true, "{report}");
+    assert!(report["tau"].as_f64().unwrap_or(0.0) > 1.0, "{report}");
+}
+
+/// `dspec bench --json` on one prompt; returns the report.
+fn bench(target: &Path, drafter: &str, prompt: &str, max_tokens: &str) -> serde_json::Value {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        serde_json::json!({ "prompt": prompt }).to_string(),
+    )
+    .expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_dspec"))
+        .args([
+            "bench",
+            "--target",
+            target.to_str().unwrap(),
+            "--drafter",
+            drafter,
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-tokens",
+            max_tokens,
+            "--json",
+        ])
+        .output()
+        .expect("run dspec bench");
+    assert!(
+        out.status.success(),
+        "dspec bench: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    json["report"].clone()
+}
+
+#[test]
+fn smollm2_speculative_decoding_matches_plain_greedy() {
+    let (_, dir) = smollm2();
+    let report = bench(
+        dir,
+        "ngram",
+        "Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries.",
+        "40",
+    );
+    assert_eq!(report["all_identical"], true, "{report}");
+    assert!(report["tau"].as_f64().unwrap_or(0.0) > 1.0, "{report}");
 }
