@@ -256,6 +256,18 @@ impl DFlashConfig {
         Ok(())
     }
 
+    /// Why a checkpoint whose `fc` takes `width` inputs does not match this config.
+    fn fc_width_mismatch(&self, width: i32) -> String {
+        format!(
+            "fc.weight takes {width} inputs, but {} target_layer_ids × hidden_size {} = {}; the \
+             checkpoint was trained on another number of target layers: make \
+             `target_layer_ids` list the layers it was trained with",
+            self.target_layer_ids.len(),
+            self.common.hidden_size,
+            self.fc_inputs()
+        )
+    }
+
     fn fc_inputs(&self) -> i32 {
         self.target_layer_ids.len() as i32 * self.common.hidden_size
     }
@@ -495,15 +507,7 @@ impl DFlashDrafter {
             ModelError::ShapeMismatch { name, actual, .. }
                 if name == format!("{prefix}fc.weight") && actual.len() == 2 =>
             {
-                request.mismatch(format!(
-                "fc.weight takes {} inputs, but {} target_layer_ids × hidden_size {} = {}; the \
-                 checkpoint was trained on another number of target layers: make \
-                 `target_layer_ids` list the layers it was trained with",
-                actual[1],
-                config.target_layer_ids.len(),
-                config.common.hidden_size,
-                config.fc_inputs()
-            ))
+                request.mismatch(config.fc_width_mismatch(actual[1]))
             }
             other => other,
         })?;
