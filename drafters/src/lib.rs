@@ -1,6 +1,7 @@
 //! Drafters propose the tokens the target then verifies in one forward pass.
 //! Each kind lives in its own file and registers itself through `inventory`.
 
+pub mod dflash;
 pub mod draft_model;
 pub mod ngram;
 

@@ -1,0 +1,935 @@
+//! DFlash (z-lab): a few Qwen3-style layers that draft a whole block in one pass,
+//! conditioned on the target's hidden states and drafting through its embedding and head.
+//!
+//! Per round the block `[last, mask, …, mask]` is embedded with the target's own
+//! embedding; every draft layer attends from the block to `[context ; block]` without a
+//! causal mask inside the block, where the context is the target's tap-layer outputs of
+//! everything it has verified, fused by `fc` + `hidden_norm`. Each layer keeps that
+//! context's keys and values in its own cache, which grows as rounds are committed;
+//! positions `1..B` of the block, normed and sent through the target's `lm_head`, are
+//! the `B − 1` drafts.
+
+use std::path::Path;
+
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::arange;
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{Array, Dtype};
+
+use dspec_adapters::config::{parse_config, CommonConfig};
+use dspec_adapters::layers::{Activation, GatedMlp, Linear, NormWeight, RmsNorm, Rope};
+use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::weights::RandomWeights;
+use dspec_plugin_api::{
+    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, KvCache, LoadOptions,
+    ModelInfo, Quantization, TargetModel, TokenPicker, WeightSource, Weights,
+};
+
+/// What a DFlash checkpoint's config.json lists under `architectures`.
+pub const ARCHITECTURE: &str = "DFlashDraftModel";
+
+/// A tiny DFlash drafter in the real schema, shaped for the tiny targets of
+/// `dspec_engine::tiny_model` (vocabulary 259, hidden 32, 2 decoder layers). Tests
+/// override fields of it the way adapter fixtures do.
+pub const TINY_DFLASH: &str = r#"{
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "vocab_size": 259,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": null,
+    "max_position_embeddings": 256,
+    "attention_bias": false,
+    "layer_types": ["full_attention", "full_attention"],
+    "sliding_window": null,
+    "use_sliding_window": false,
+    "tie_word_embeddings": false,
+    "torch_dtype": "float32",
+    "block_size": 8,
+    "num_target_layers": 2,
+    "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 256}
+}"#;
+
+/// HF Qwen3's default for `max_window_layers`: with `use_sliding_window` and no
+/// `layer_types`, layers from this index on use the window.
+const DEFAULT_MAX_WINDOW_LAYERS: usize = 28;
+
+/// Group size for quantizing on load (`Linear` falls back to 32 where 64 does not divide).
+const QUANT_GROUP_SIZE: i32 = 64;
+
+/// A DFlash config.json, read against the z-lab schema. `target_layer_ids`,
+/// `mask_token_id` and `block_size` may sit in `dflash_config` or at the top level.
+#[derive(Debug, Clone)]
+pub struct DFlashConfig {
+    pub common: CommonConfig,
+    pub block_size: usize,
+    pub target_layer_ids: Vec<usize>,
+    pub mask_token_id: u32,
+    /// Per draft layer: the window of a `sliding_attention` layer, `None` for full attention.
+    pub windows: Vec<Option<i32>>,
+    pub attention_bias: bool,
+}
+
+/// `dflash_config.KEY` when present, else the top-level `KEY`.
+fn dflash_field<'a>(config: &'a serde_json::Value, key: &str) -> &'a serde_json::Value {
+    match &config["dflash_config"][key] {
+        serde_json::Value::Null => &config[key],
+        nested => nested,
+    }
+}
+
+impl DFlashConfig {
+    /// Parses and checks the drafter's own config (nothing about the target yet).
+    pub fn from_json(config: &serde_json::Value, dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let bad = |message: String| ModelError::config(&path, message);
+        let common: CommonConfig = parse_config(config, dir)?;
+        common.validate(&path)?;
+
+        let missing = |key: &str, what: &str| {
+            bad(format!(
+                "`dflash_config.{key}` (or top-level `{key}`) is missing; a DFlash config must give {what}"
+            ))
+        };
+        let ids = dflash_field(config, "target_layer_ids");
+        if ids.is_null() {
+            return Err(missing(
+                "target_layer_ids",
+                "the target layers whose outputs it reads, e.g. [1, 9, 17, 25, 33]",
+            ));
+        }
+        let target_layer_ids = ids
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|v| v.as_u64().map(|i| i as usize))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .filter(|ids| !ids.is_empty())
+            .ok_or_else(|| {
+                bad(format!(
+                    "`target_layer_ids` must be a non-empty list of layer indices, got {ids}"
+                ))
+            })?;
+
+        let mask = dflash_field(config, "mask_token_id");
+        if mask.is_null() {
+            return Err(missing(
+                "mask_token_id",
+                "the token id that fills the block's undrafted positions",
+            ));
+        }
+        let mask_token_id = mask
+            .as_u64()
+            .and_then(|m| u32::try_from(m).ok())
+            .ok_or_else(|| bad(format!("`mask_token_id` must be a token id, got {mask}")))?;
+
+        let block = dflash_field(config, "block_size");
+        if block.is_null() {
+            return Err(missing(
+                "block_size",
+                "the number of positions drafted per pass (16 for the z-lab b16 checkpoints)",
+            ));
+        }
+        let block_size = block
+            .as_u64()
+            .filter(|&b| b >= 2)
+            .ok_or_else(|| {
+                bad(format!(
+                    "`block_size` must be at least 2 (the committed token plus at least one draft), got {block}"
+                ))
+            })? as usize;
+
+        let windows = Self::windows(config, &common, &path)?;
+        Ok(Self {
+            block_size,
+            target_layer_ids,
+            mask_token_id,
+            windows,
+            attention_bias: config["attention_bias"].as_bool().unwrap_or(false),
+            common,
+        })
+    }
+
+    /// Which layers use a sliding window: `layer_types` when given, else HF Qwen3's rule
+    /// (`use_sliding_window` from `max_window_layers` on).
+    fn windows(
+        config: &serde_json::Value,
+        common: &CommonConfig,
+        path: &Path,
+    ) -> Result<Vec<Option<i32>>> {
+        let layers = common.num_hidden_layers as usize;
+        let window = || match common.sliding_window {
+            Some(w) if w >= 1 => Ok(w),
+            other => Err(ModelError::config(
+                path,
+                format!("sliding_attention layers need a positive `sliding_window`, got {other:?}"),
+            )),
+        };
+        match &common.layer_types {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(None),
+                    "sliding_attention" => window().map(Some),
+                    other => Err(ModelError::config(
+                        path,
+                        format!(
+                            "layer type `{other}` is not supported by the DFlash drafter \
+                             (supported: full_attention, sliding_attention)"
+                        ),
+                    )),
+                })
+                .collect(),
+            None if config["use_sliding_window"].as_bool() == Some(true)
+                && common.sliding_window.is_some() =>
+            {
+                let from = config["max_window_layers"]
+                    .as_u64()
+                    .map_or(DEFAULT_MAX_WINDOW_LAYERS, |m| m as usize);
+                (0..layers)
+                    .map(|i| {
+                        if i >= from {
+                            window().map(Some)
+                        } else {
+                            Ok(None)
+                        }
+                    })
+                    .collect()
+            }
+            None => Ok(vec![None; layers]),
+        }
+    }
+
+    /// Why this drafter cannot serve `target`, if it cannot; the message names the
+    /// field, both values and the fix.
+    pub fn check_fits(&self, target: &ModelInfo) -> std::result::Result<(), String> {
+        let c = &self.common;
+        if c.vocab_size as usize != target.vocab_size {
+            return Err(format!(
+                "vocab_size is {} but the target's is {}; DFlash drafts through the target's \
+                 embedding and lm_head, so use the DFlash checkpoint trained for this target",
+                c.vocab_size, target.vocab_size
+            ));
+        }
+        let taps = self.target_layer_ids.len();
+        if c.hidden_size as usize != target.hidden_size {
+            return Err(format!(
+                "fc takes {taps} target_layer_ids × hidden_size {} = {} inputs, but the target's \
+                 {taps} taps give {taps} × hidden_size {} = {}; this drafter was trained for a \
+                 target of another width: use the DFlash checkpoint made for this target",
+                c.hidden_size,
+                taps * c.hidden_size as usize,
+                target.hidden_size,
+                taps * target.hidden_size
+            ));
+        }
+        if let Some(&bad) = self
+            .target_layer_ids
+            .iter()
+            .find(|&&id| id >= target.num_layers)
+        {
+            return Err(format!(
+                "target_layer_ids {:?} includes layer {bad}, but the target has {} layers \
+                 (0..={}); this drafter was trained for a deeper target: use the DFlash \
+                 checkpoint made for this target",
+                self.target_layer_ids,
+                target.num_layers,
+                target.num_layers.saturating_sub(1)
+            ));
+        }
+        if self.mask_token_id as usize >= target.vocab_size {
+            return Err(format!(
+                "mask_token_id {} is outside the target's vocabulary of {} tokens; the mask \
+                 token must be an id the target's embedding has: fix `mask_token_id` or use the \
+                 DFlash checkpoint made for this target",
+                self.mask_token_id, target.vocab_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// Why a checkpoint whose `fc` takes `width` inputs does not match this config.
+    fn fc_width_mismatch(&self, width: i32) -> String {
+        format!(
+            "fc.weight takes {width} inputs, but {} target_layer_ids × hidden_size {} = {}; the \
+             checkpoint was trained on another number of target layers: make \
+             `target_layer_ids` list the layers it was trained with",
+            self.target_layer_ids.len(),
+            self.common.hidden_size,
+            self.fc_inputs()
+        )
+    }
+
+    fn fc_inputs(&self) -> i32 {
+        self.target_layer_ids.len() as i32 * self.common.hidden_size
+    }
+}
+
+/// One draft layer: Qwen3 attention whose keys and values come from the context and
+/// the block alike, then a gated MLP, both pre-normed.
+struct DraftLayer {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    mlp: GatedMlp,
+    window: Option<i32>,
+}
+
+/// Head layout and rotary embedding shared by every draft layer.
+struct Heads {
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+    rope: Rope,
+}
+
+impl Heads {
+    /// `[1, L, n·head_dim] -> [1, n, L, head_dim]`.
+    fn split(&self, x: Array, n: i32) -> Result<Array> {
+        let len = x.shape()[1];
+        Ok(x.reshape(&[1, len, n, self.head_dim])?
+            .transpose_axes(&[0, 2, 1, 3])?)
+    }
+}
+
+impl DraftLayer {
+    fn load(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        cfg: &DFlashConfig,
+        window: Option<i32>,
+        config_path: &Path,
+    ) -> Result<Self> {
+        let c = &cfg.common;
+        let (h, hd, eps) = (c.hidden_size, c.head_dim(), c.rms_norm_eps);
+        let attn = format!("{prefix}.self_attn");
+        let bias = cfg.attention_bias;
+        let linear = |w: &mut dyn WeightSource, name: &str, i: i32, o: i32| {
+            Linear::load(w, &format!("{attn}.{name}"), i, o, bias)
+        };
+        let norm = |w: &mut dyn WeightSource, name: String, dim: i32| {
+            RmsNorm::load(w, &name, dim, eps, NormWeight::Plain)
+        };
+        Ok(Self {
+            q_proj: linear(w, "q_proj", h, c.num_attention_heads * hd)?,
+            k_proj: linear(w, "k_proj", h, c.kv_heads() * hd)?,
+            v_proj: linear(w, "v_proj", h, c.kv_heads() * hd)?,
+            o_proj: linear(w, "o_proj", c.num_attention_heads * hd, h)?,
+            q_norm: norm(w, format!("{attn}.q_norm.weight"), hd)?,
+            k_norm: norm(w, format!("{attn}.k_norm.weight"), hd)?,
+            input_layernorm: norm(w, format!("{prefix}.input_layernorm.weight"), h)?,
+            post_attention_layernorm: norm(
+                w,
+                format!("{prefix}.post_attention_layernorm.weight"),
+                h,
+            )?,
+            mlp: GatedMlp::load(
+                w,
+                &format!("{prefix}.mlp"),
+                h,
+                c.intermediate_size,
+                false,
+                Activation::from_name(&c.activation_name("silu"), config_path)?,
+            )?,
+            window,
+        })
+    }
+
+    /// Keys (normed, roped from `offset`) and values of `x` (`[1, L, hidden]`).
+    fn keys_values(&self, x: &Array, offset: i32, heads: &Heads) -> Result<(Array, Array)> {
+        let k = self
+            .k_norm
+            .forward(&heads.split(self.k_proj.forward(x)?, heads.kv_heads)?)?;
+        let v = heads.split(self.v_proj.forward(x)?, heads.kv_heads)?;
+        Ok((heads.rope.forward(&k, offset)?, v))
+    }
+
+    /// Runs the block `x` (`[1, B, hidden]`, at positions `context..context+B`) against
+    /// the cached context keys and values plus the block's own.
+    fn forward(&self, x: &Array, cache: &mut KvCache, heads: &Heads) -> Result<Array> {
+        let (block, context) = (x.shape()[1], cache.offset() as i32);
+        let normed = self.input_layernorm.forward(x)?;
+        let q = self
+            .q_norm
+            .forward(&heads.split(self.q_proj.forward(&normed)?, heads.heads)?)?;
+        let q = heads.rope.forward(&q, context)?;
+        let (k, v) = self.keys_values(&normed, context, heads)?;
+        // Borrow the cache's buffer for `[context ; block]`, then forget the block again:
+        // the context cache only ever holds verified positions.
+        let (keys, values) = cache.update_and_fetch(&k, &v)?;
+        cache.trim(block as usize);
+
+        let (keys, values, mask) = match self.window {
+            None => (keys, values, None),
+            Some(window) => {
+                // No query sees context keys `window` or more positions behind it, so at
+                // most the last `window − 1` context positions take part.
+                let start = (context - (window - 1)).max(0);
+                let keys = keys.try_index((.., .., start..))?;
+                let values = values.try_index((.., .., start..))?;
+                let q_pos =
+                    arange::<_, i32>(context, context + block, None)?.reshape(&[block, 1])?;
+                let k_pos = arange::<_, i32>(start, context + block, None)?
+                    .reshape(&[1, context + block - start])?;
+                let in_block = k_pos.ge(Array::from_int(context))?;
+                let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(window))?;
+                (keys, values, Some(in_block.logical_or(&near)?))
+            }
+        };
+        let attended = scaled_dot_product_attention(
+            &q,
+            &keys,
+            &values,
+            heads.scale,
+            mask.as_ref().map(ScaledDotProductAttentionMask::Array),
+            None,
+        )?
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[1, block, heads.heads * heads.head_dim])?;
+        let h = x.add(self.o_proj.forward(&attended)?)?;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?)?;
+        Ok(h.add(mlp)?)
+    }
+}
+
+/// The drafter's weights: `fc`, `hidden_norm`, `layers.N.*`, `norm` (no embedding and no
+/// head: those are the target's).
+struct DraftNet {
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<DraftLayer>,
+    norm: RmsNorm,
+    heads: Heads,
+}
+
+impl DraftNet {
+    /// Loads by the checkpoint's tensor names, each under `prefix` (`""`, or `"model."`
+    /// for checkpoints saved from a wrapper).
+    fn load(
+        w: &mut dyn WeightSource,
+        cfg: &DFlashConfig,
+        prefix: &str,
+        dir: &Path,
+    ) -> Result<Self> {
+        let c = &cfg.common;
+        let config_path = dir.join("config.json");
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        let fc = Linear::load(w, &format!("{prefix}fc"), cfg.fc_inputs(), h, false)?;
+        let hidden_norm = RmsNorm::load(
+            w,
+            &format!("{prefix}hidden_norm.weight"),
+            h,
+            eps,
+            NormWeight::Plain,
+        )?;
+        let layers = cfg
+            .windows
+            .iter()
+            .enumerate()
+            .map(|(i, &window)| {
+                DraftLayer::load(w, &format!("{prefix}layers.{i}"), cfg, window, &config_path)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(
+            w,
+            &format!("{prefix}norm.weight"),
+            h,
+            eps,
+            NormWeight::Plain,
+        )?;
+        let heads = Heads {
+            heads: c.num_attention_heads,
+            kv_heads: c.kv_heads(),
+            head_dim: c.head_dim(),
+            scale: (c.head_dim() as f32).powf(-0.5),
+            rope: c.global_rope(&config_path)?,
+        };
+        Ok(Self {
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            heads,
+        })
+    }
+}
+
+/// The DFlash drafter: its weights, and per draft layer the keys and values of every
+/// context position the target has verified so far.
+pub struct DFlashDrafter {
+    config: DFlashConfig,
+    net: DraftNet,
+    caches: Vec<KvCache>,
+    dtype: Option<Dtype>,
+}
+
+impl DFlashDrafter {
+    /// Loads the checkpoint of `request.dir` after checking its config against the
+    /// target (what the registry's `load` does, without boxing).
+    pub fn load(request: &DrafterLoadRequest) -> Result<Self> {
+        let dir = request.dir.ok_or_else(|| {
+            request.mismatch(
+                "a DFlash drafter needs its checkpoint directory (config.json + *.safetensors)",
+            )
+        })?;
+        let config = DFlashConfig::from_json(request.config, dir)?;
+        config
+            .check_fits(request.target)
+            .map_err(|m| request.mismatch(m))?;
+        let options = LoadOptions {
+            dtype: request.options.dtype,
+            quantize: quantization(request)?,
+        };
+        let mut weights = Weights::open(dir, &options)?;
+        let prefix = if weights.contains("model.fc.weight") {
+            "model."
+        } else {
+            ""
+        };
+        let net = DraftNet::load(&mut weights, &config, prefix, dir).map_err(|e| match e {
+            // The fc width is the one shape that depends on the target: say so.
+            ModelError::ShapeMismatch { name, actual, .. }
+                if name == format!("{prefix}fc.weight") && actual.len() == 2 =>
+            {
+                request.mismatch(config.fc_width_mismatch(actual[1]))
+            }
+            other => other,
+        })?;
+        Ok(Self {
+            caches: net.layers.iter().map(|_| KvCache::new()).collect(),
+            config,
+            net,
+            dtype: options.dtype,
+        })
+    }
+
+    /// Positions drafted per pass, the committed token included.
+    pub fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    /// Context positions cached so far (prompt plus verified tokens).
+    pub fn context_len(&self) -> usize {
+        self.caches.first().map_or(0, KvCache::offset)
+    }
+
+    /// `Some(bits)` when the drafter's linear layers are quantized.
+    pub fn quantized_bits(&self) -> Option<i32> {
+        self.net.fc.quantized_bits()
+    }
+
+    pub fn config(&self) -> &DFlashConfig {
+        &self.config
+    }
+
+    fn cast(&self, x: &Array) -> Result<Array> {
+        match self.dtype {
+            Some(d) if d != x.dtype() => Ok(x.as_dtype(d)?),
+            _ => Ok(x.clone()),
+        }
+    }
+
+    /// Appends target hidden states (`[1, L, taps × hidden]`) to every layer's context.
+    fn extend_context(&mut self, hidden: Option<&Array>, what: &str) -> Result<()> {
+        let hidden = hidden.ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "dflash: {what} came without the target's hidden states at the tap layers"
+            ))
+        })?;
+        let shape = hidden.shape();
+        if shape.len() != 3 || shape[0] != 1 || shape[2] != self.config.fc_inputs() {
+            return Err(ModelError::Unsupported(format!(
+                "dflash: {what} hidden states have shape {shape:?}, expected [1, L, {}] \
+                 (taps {:?} × hidden {})",
+                self.config.fc_inputs(),
+                self.config.target_layer_ids,
+                self.config.common.hidden_size
+            )));
+        }
+        if shape[1] == 0 {
+            return Ok(());
+        }
+        let net = &self.net;
+        let context = net
+            .hidden_norm
+            .forward(&net.fc.forward(&self.cast(hidden)?)?)?;
+        for (layer, cache) in net.layers.iter().zip(self.caches.iter_mut()) {
+            let (k, v) = layer.keys_values(&context, cache.offset() as i32, &net.heads)?;
+            cache.update_and_fetch(&k, &v)?;
+        }
+        // Materialise now so each round's graph stays one round long.
+        mlx_rs::transforms::eval(self.caches.iter().flat_map(KvCache::state))?;
+        Ok(())
+    }
+}
+
+impl Drafter for DFlashDrafter {
+    fn name(&self) -> &str {
+        "dflash"
+    }
+
+    fn taps(&self) -> &[usize] {
+        &self.config.target_layer_ids
+    }
+
+    fn begin(
+        &mut self,
+        _target: &dyn TargetModel,
+        _prompt: &[u32],
+        hidden: Option<&Array>,
+    ) -> Result<()> {
+        self.caches = self.net.layers.iter().map(|_| KvCache::new()).collect();
+        self.extend_context(hidden, "the prompt")
+    }
+
+    fn propose(
+        &mut self,
+        target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        picker: &mut dyn TokenPicker,
+    ) -> Result<Draft> {
+        let wanted = max_k.min(self.config.block_size - 1);
+        if wanted == 0 {
+            return Ok(Draft::default());
+        }
+        if self.context_len() == 0 {
+            return Err(ModelError::Unsupported(
+                "dflash: propose called before begin gave it the prompt's hidden states".into(),
+            ));
+        }
+        // The whole block always runs: positions attend to each other, so a shorter
+        // block would change the drafts. Only the head is limited to what is wanted.
+        let block = self.config.block_size;
+        let mut ids = vec![self.config.mask_token_id; block];
+        ids[0] = last;
+        let mut x = self.cast(&target.embed(&Array::from_slice(&ids, &[1, block as i32]))?)?;
+        for (layer, cache) in self.net.layers.iter().zip(self.caches.iter_mut()) {
+            x = layer.forward(&x, cache, &self.net.heads)?;
+        }
+        let drafts = x.try_index((.., 1..1 + wanted as i32, ..))?;
+        let logits = target.lm_head(&self.net.norm.forward(&drafts)?)?;
+        let vocab = logits.shape().last().copied().unwrap_or(0);
+        let mut draft = Draft::default();
+        draft.extend(picker.pick(&logits.reshape(&[wanted as i32, vocab])?)?);
+        Ok(draft)
+    }
+
+    fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()> {
+        if verified.is_empty() {
+            return Ok(());
+        }
+        self.extend_context(hidden, "a verified round")
+    }
+}
+
+/// Whether a config.json describes a DFlash drafter.
+fn is_dflash_config(config: &serde_json::Value) -> bool {
+    config["architectures"]
+        .as_array()
+        .is_some_and(|a| a.iter().any(|v| v.as_str() == Some(ARCHITECTURE)))
+}
+
+/// Which `--drafter-bits` values quantize, and how.
+fn quantization(request: &DrafterLoadRequest) -> Result<Option<Quantization>> {
+    match request.options.bits {
+        None | Some(0) => Ok(None),
+        Some(bits @ (4 | 8)) => Ok(Some(Quantization {
+            bits,
+            group_size: QUANT_GROUP_SIZE,
+        })),
+        Some(other) => Err(request.mismatch(format!(
+            "--drafter-bits {other} is not supported for DFlash; use 4 or 8 (or 0 for full precision)"
+        ))),
+    }
+}
+
+fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
+    Ok(Box::new(DFlashDrafter::load(request)?))
+}
+
+inventory::submit! {
+    DrafterRegistration {
+        kind: "dflash",
+        summary: "DFlash (z-lab) block diffusion: drafts a block per pass from the target's hidden states, through its embedding and lm_head",
+        detect: is_dflash_config,
+        by_name: false,
+        load,
+    }
+}
+
+/// Writes a DFlash checkpoint with random weights: `config_json` as config.json and
+/// every tensor the loader asks for (same names and shapes) as model.safetensors.
+pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> {
+    write_random_checkpoint_with_prefix(dir, config_json, seed, "")
+}
+
+/// [`write_random_checkpoint`] with every tensor name under `prefix` (e.g. `"model."`).
+pub fn write_random_checkpoint_with_prefix(
+    dir: &Path,
+    config_json: &str,
+    seed: u64,
+    prefix: &str,
+) -> Result<()> {
+    let path = dir.join("config.json");
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let config: serde_json::Value = serde_json::from_str(config_json)
+        .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
+    let parsed = DFlashConfig::from_json(&config, dir)?;
+    let mut weights = RandomWeights::new(seed)?;
+    DraftNet::load(&mut weights, &parsed, prefix, dir)?;
+    weights.save(dir, None)?;
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&config).unwrap_or_default(),
+    )
+    .map_err(|source| ModelError::Io { path, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dspec_adapters::fixtures::with;
+    use dspec_plugin_api::DrafterOptions;
+
+    fn parse(json: &str) -> Result<DFlashConfig> {
+        let value: serde_json::Value = serde_json::from_str(json).unwrap();
+        DFlashConfig::from_json(&value, Path::new("/drafter"))
+    }
+
+    fn target() -> ModelInfo {
+        ModelInfo {
+            model_type: "llama".into(),
+            num_layers: 2,
+            hidden_size: 32,
+            vocab_size: 259,
+            dtype: Dtype::Float32,
+            quantized_bits: None,
+            max_context: Some(256),
+        }
+    }
+
+    fn err(json: &str) -> String {
+        parse(json).unwrap_err().to_string()
+    }
+
+    fn misfit(json: &str) -> String {
+        parse(json).unwrap().check_fits(&target()).unwrap_err()
+    }
+
+    #[test]
+    fn reads_nested_dflash_fields() {
+        let c = parse(TINY_DFLASH).unwrap();
+        assert_eq!(c.target_layer_ids, vec![0, 1]);
+        assert_eq!(c.mask_token_id, 256);
+        assert_eq!(c.block_size, 8);
+        assert_eq!(c.windows, vec![None, None]);
+        assert_eq!(c.common.head_dim(), 16);
+        assert!(c.check_fits(&target()).is_ok());
+    }
+
+    #[test]
+    fn reads_top_level_fields_and_nested_block_size() {
+        let top = with(
+            TINY_DFLASH,
+            r#"{"dflash_config": null, "target_layer_ids": [1], "mask_token_id": 7}"#,
+        );
+        let c = parse(&top).unwrap();
+        assert_eq!(
+            (c.target_layer_ids, c.mask_token_id, c.block_size),
+            (vec![1], 7, 8)
+        );
+        // The Qwen3.5 checkpoints put block_size inside dflash_config.
+        let nested = with(
+            TINY_DFLASH,
+            r#"{"block_size": null, "dflash_config": {"block_size": 16, "target_layer_ids": [0], "mask_token_id": 3}}"#,
+        );
+        assert_eq!(parse(&nested).unwrap().block_size, 16);
+    }
+
+    #[test]
+    fn reads_sliding_layers_and_v5_rope_parameters() {
+        let c = parse(&with(
+            TINY_DFLASH,
+            r#"{"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}"#,
+        ))
+        .unwrap();
+        assert_eq!(c.windows, vec![Some(5), None]);
+        assert_eq!(c.common.rope().0, 500000.0);
+        // No layer_types: HF's use_sliding_window + max_window_layers rule.
+        let c = parse(&with(
+            TINY_DFLASH,
+            r#"{"layer_types": null, "use_sliding_window": true, "sliding_window": 4, "max_window_layers": 1}"#,
+        ))
+        .unwrap();
+        assert_eq!(c.windows, vec![None, Some(4)]);
+        let e = err(&with(
+            TINY_DFLASH,
+            r#"{"layer_types": ["sliding_attention", "full_attention"], "sliding_window": null}"#,
+        ));
+        assert!(e.contains("sliding_window"), "{e}");
+        let e = err(&with(
+            TINY_DFLASH,
+            r#"{"layer_types": ["linear_attention", "full_attention"]}"#,
+        ));
+        assert!(e.contains("linear_attention"), "{e}");
+    }
+
+    #[test]
+    fn missing_or_bad_dflash_fields_are_named() {
+        let e = err(&with(
+            TINY_DFLASH,
+            r#"{"dflash_config": {"mask_token_id": 256}}"#,
+        ));
+        assert!(
+            e.contains("target_layer_ids") && e.contains("/drafter/config.json"),
+            "{e}"
+        );
+        let e = err(&with(
+            TINY_DFLASH,
+            r#"{"dflash_config": {"target_layer_ids": [0]}}"#,
+        ));
+        assert!(e.contains("mask_token_id"), "{e}");
+        let e = err(&with(TINY_DFLASH, r#"{"block_size": null}"#));
+        assert!(e.contains("block_size") && e.contains("missing"), "{e}");
+        let e = err(&with(TINY_DFLASH, r#"{"block_size": 1}"#));
+        assert!(e.contains("block_size") && e.contains("at least 2"), "{e}");
+        let e = err(&with(
+            TINY_DFLASH,
+            r#"{"dflash_config": {"target_layer_ids": [], "mask_token_id": 1}}"#,
+        ));
+        assert!(e.contains("target_layer_ids"), "{e}");
+        let mut no_hidden: serde_json::Value = serde_json::from_str(TINY_DFLASH).unwrap();
+        no_hidden.as_object_mut().unwrap().remove("hidden_size");
+        let e = err(&no_hidden.to_string());
+        assert!(e.contains("hidden_size"), "{e}");
+    }
+
+    #[test]
+    fn mismatches_with_the_target_name_field_values_and_fix() {
+        let m = misfit(&with(TINY_DFLASH, r#"{"vocab_size": 300}"#));
+        assert!(
+            m.contains("vocab_size") && m.contains("300") && m.contains("259"),
+            "{m}"
+        );
+        let m = misfit(&with(TINY_DFLASH, r#"{"hidden_size": 48}"#));
+        assert!(
+            m.contains("fc") && m.contains("96") && m.contains("64"),
+            "{m}"
+        );
+        let m = misfit(&with(
+            TINY_DFLASH,
+            r#"{"dflash_config": {"target_layer_ids": [1, 9], "mask_token_id": 256}}"#,
+        ));
+        assert!(
+            m.contains("target_layer_ids") && m.contains('9') && m.contains("2 layers"),
+            "{m}"
+        );
+        let m = misfit(&with(
+            TINY_DFLASH,
+            r#"{"dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": 259}}"#,
+        ));
+        assert!(
+            m.contains("mask_token_id 259") && m.contains("259 tokens"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn detects_only_dflash_configs() {
+        let v: serde_json::Value = serde_json::from_str(TINY_DFLASH).unwrap();
+        assert!(is_dflash_config(&v));
+        let other: serde_json::Value =
+            serde_json::from_str(r#"{"architectures": ["Qwen3ForCausalLM"]}"#).unwrap();
+        assert!(!is_dflash_config(&other));
+        assert!(!is_dflash_config(&serde_json::Value::Null));
+    }
+
+    fn request<'a>(
+        dir: &'a Path,
+        config: &'a serde_json::Value,
+        target: &'a ModelInfo,
+        options: &'a DrafterOptions,
+    ) -> DrafterLoadRequest<'a> {
+        DrafterLoadRequest {
+            dir: Some(dir),
+            config,
+            target,
+            options,
+            load_model: &|_| Err(ModelError::Unsupported("dflash loads no model".into())),
+        }
+    }
+
+    #[test]
+    fn loads_checkpoints_with_a_model_prefix_and_quantizes_on_request() {
+        let dir = tempfile::tempdir().unwrap();
+        write_random_checkpoint_with_prefix(dir.path(), TINY_DFLASH, 3, "model.").unwrap();
+        let config: serde_json::Value = serde_json::from_str(TINY_DFLASH).unwrap();
+        let info = target();
+        for (bits, expected) in [
+            (None, None),
+            (Some(0), None),
+            (Some(4), Some(4)),
+            (Some(8), Some(8)),
+        ] {
+            let options = DrafterOptions {
+                bits,
+                ..Default::default()
+            };
+            let drafter =
+                DFlashDrafter::load(&request(dir.path(), &config, &info, &options)).unwrap();
+            assert_eq!(drafter.taps(), &[0, 1]);
+            assert_eq!(drafter.quantized_bits(), expected, "bits {bits:?}");
+        }
+        let options = DrafterOptions {
+            bits: Some(3),
+            ..Default::default()
+        };
+        let e = load(&request(dir.path(), &config, &info, &options))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("--drafter-bits 3"), "{e}");
+    }
+
+    #[test]
+    fn a_checkpoint_whose_fc_disagrees_with_its_taps_is_a_mismatch() {
+        let dir = tempfile::tempdir().unwrap();
+        write_random_checkpoint(dir.path(), TINY_DFLASH, 3).unwrap();
+        let config: serde_json::Value = serde_json::from_str(&with(
+            TINY_DFLASH,
+            r#"{"dflash_config": {"target_layer_ids": [1], "mask_token_id": 256}}"#,
+        ))
+        .unwrap();
+        let info = target();
+        let options = DrafterOptions::default();
+        let e = load(&request(dir.path(), &config, &info, &options))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("fc.weight takes 64 inputs") && e.contains("= 32"),
+            "{e}"
+        );
+    }
+}
