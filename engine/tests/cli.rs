@@ -615,3 +615,53 @@ fn adapters_lists_drafter_kinds() {
         );
     }
 }
+
+#[test]
+fn dflash_checkpoint_drafts_through_the_cli_and_mismatches_are_errors() {
+    let model = tiny_model(r#"{"model_type": "qwen3", "head_dim": 16}"#);
+    let m = path_str(model.path());
+    let drafter = tempfile::tempdir().expect("temp dir");
+    dspec_drafters::dflash::write_random_checkpoint(
+        drafter.path(),
+        dspec_drafters::dflash::TINY_DFLASH,
+        5,
+    )
+    .expect("write dflash checkpoint");
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "generate",
+            "--target",
+            m,
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "20",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = dspec(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let plain = run(&[]);
+    let spec = run(&["--drafter", path_str(drafter.path()), "--max-draft", "4"]);
+    assert_eq!(spec["text"], plain["text"]);
+    assert_eq!(spec["speculative"]["drafter"], "dflash");
+    assert!(spec["speculative"]["drafted_tokens"].as_u64().unwrap_or(0) > 0);
+
+    // A target with another hidden size: the context width no longer fits.
+    let wide = tiny_model(r#"{"model_type": "qwen3", "head_dim": 16, "hidden_size": 64}"#);
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        path_str(wide.path()),
+        "--prompt",
+        "x",
+        "--drafter",
+        path_str(drafter.path()),
+    ]);
+    assert!(
+        err.contains("config.json") && err.contains("hidden"),
+        "{err}"
+    );
+}
