@@ -11,6 +11,7 @@ pub mod transformer;
 mod gemma;
 mod gemma2;
 mod gemma3_text;
+mod gemma4;
 mod llama;
 mod mistral;
 mod qwen2;
