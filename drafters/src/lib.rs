@@ -1,4 +1,5 @@
 //! Drafters propose the tokens the target then verifies in one forward pass.
-//! Each kind lives in its own file; so far: n-gram prompt lookup.
+//! Each kind lives in its own file: DSpark, n-gram prompt lookup.
 
+pub mod dspark;
 pub mod ngram;
