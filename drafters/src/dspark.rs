@@ -61,7 +61,7 @@ pub const TINY_DSPARK_QWEN3: &str = r#"{
 }"#;
 
 /// The gemma4-family counterpart, fitting the tiny gemma4 target
-/// (`dspec_adapters::fixtures::TINY_GEMMA4_OVERRIDES` on the tiny model).
+/// (`dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES` on the tiny model).
 pub const TINY_DSPARK_GEMMA4: &str = r#"{
     "model_type": "gemma4_text",
     "hidden_size": 32,
