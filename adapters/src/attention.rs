@@ -1,5 +1,7 @@
 //! Multi-head attention with grouped KV heads, shared by every family: optional q/k
-//! norms, biases, sliding windows, and score softcapping (which needs the unfused path).
+//! norms, biases, sliding windows, and score softcapping (which needs the unfused path);
+//! gemma4's values-from-keys and unscaled value norm. Drafters that attend from a block
+//! to a context (DSpark) reuse it through [`Attention::append_context`].
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::{arange, matmul, select, softmax_axis};
@@ -8,7 +10,7 @@ use mlx_rs::Array;
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{KvCache, WeightSource};
 
-use crate::layers::{softcap, Linear, NormWeight, RmsNorm, Rope};
+use crate::layers::{rms_norm_unscaled, softcap, Linear, NormWeight, RmsNorm, Rope};
 
 /// Shape and options of one attention layer.
 #[derive(Clone)]
@@ -27,13 +29,19 @@ pub struct AttentionSpec {
     pub sliding_window: Option<i32>,
     pub softcap: Option<f32>,
     pub rope: Rope,
+    /// Values are the key projection's output taken before `k_norm`, and there is no
+    /// `v_proj` (gemma4 full-attention layers with `attention_k_eq_v`).
+    pub k_eq_v: bool,
+    /// RMSNorm without a learned scale on each value head, with this eps (gemma4).
+    pub v_norm: Option<f32>,
 }
 
 pub struct Attention {
     spec: AttentionSpec,
     q: Linear,
     k: Linear,
-    v: Linear,
+    /// `None` when values come from the key projection (`k_eq_v`).
+    v: Option<Linear>,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -73,13 +81,17 @@ impl Attention {
             spec.kv_heads * hd,
             spec.qkv_bias,
         )?;
-        let v = Linear::load(
-            w,
-            &format!("{prefix}.v_proj"),
-            h,
-            spec.kv_heads * hd,
-            spec.qkv_bias,
-        )?;
+        let v = if spec.k_eq_v {
+            None
+        } else {
+            Some(Linear::load(
+                w,
+                &format!("{prefix}.v_proj"),
+                h,
+                spec.kv_heads * hd,
+                spec.qkv_bias,
+            )?)
+        };
         let o = Linear::load(
             w,
             &format!("{prefix}.o_proj"),
@@ -125,24 +137,51 @@ impl Attention {
         self.q.quantized_bits()
     }
 
-    /// `x`: `[1, L, hidden]`; `mask` from [`attention_mask`] for this layer's window.
+    /// `[B, L, n·head_dim] -> [B, n, L, head_dim]`.
+    fn split_heads(&self, y: Array, n: i32) -> Result<Array> {
+        let (b, len) = (y.shape()[0], y.shape()[1]);
+        Ok(y.reshape(&[b, len, n, self.spec.head_dim])?
+            .transpose_axes(&[0, 2, 1, 3])?)
+    }
+
+    /// Normed and rotated keys, and values, of `x` at positions `offset..`.
+    fn keys_values(&self, x: &Array, offset: i32) -> Result<(Array, Array)> {
+        let s = &self.spec;
+        let raw_k = self.split_heads(self.k.forward(x)?, s.kv_heads)?;
+        let mut v = match &self.v {
+            Some(v) => self.split_heads(v.forward(x)?, s.kv_heads)?,
+            None => raw_k.clone(),
+        };
+        if let Some(eps) = s.v_norm {
+            v = rms_norm_unscaled(&v, eps)?;
+        }
+        let k = match &self.k_norm {
+            Some(kn) => kn.forward(&raw_k)?,
+            None => raw_k,
+        };
+        Ok((s.rope.forward(&k, offset)?, v))
+    }
+
+    /// Appends the keys and values of `x` (`[1, L, hidden]`, positions after what the
+    /// cache holds) without attending: how a drafter caches its target context.
+    pub fn append_context(&self, x: &Array, cache: &mut KvCache) -> Result<()> {
+        let (k, v) = self.keys_values(x, cache.offset() as i32)?;
+        cache.update_and_fetch(&k, &v)?;
+        Ok(())
+    }
+
+    /// `x`: `[1, L, hidden]`; `mask` from [`attention_mask`] for this layer's window
+    /// (`None`: every cached key and every position of `x` is visible).
     pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: Option<&Array>) -> Result<Array> {
         let s = &self.spec;
         let (b, len) = (x.shape()[0], x.shape()[1]);
         let offset = cache.offset() as i32;
-        let heads = |y: Array, n: i32| -> Result<Array> {
-            Ok(y.reshape(&[b, len, n, s.head_dim])?
-                .transpose_axes(&[0, 2, 1, 3])?)
-        };
-        let mut q = heads(self.q.forward(x)?, s.heads)?;
-        let mut k = heads(self.k.forward(x)?, s.kv_heads)?;
-        let v = heads(self.v.forward(x)?, s.kv_heads)?;
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+        let mut q = self.split_heads(self.q.forward(x)?, s.heads)?;
+        if let Some(qn) = &self.q_norm {
             q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
         }
         let q = s.rope.forward(&q, offset)?;
-        let k = s.rope.forward(&k, offset)?;
+        let (k, v) = self.keys_values(x, offset)?;
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
 
         let out = match s.softcap {

@@ -106,6 +106,8 @@ impl CommonConfig {
             sliding_window: None,
             softcap: None,
             rope,
+            k_eq_v: false,
+            v_norm: None,
         }
     }
 
@@ -116,6 +118,7 @@ impl CommonConfig {
         Ok(DecoderSpec {
             model_type: model_type.into(),
             prefix: "model.".into(),
+            other_prefixes: Vec::new(),
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,
@@ -127,6 +130,7 @@ impl CommonConfig {
             embed_scale: None,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             final_logit_softcap: None,
+            layer_scalar: false,
             max_position_embeddings: self.max_position_embeddings,
             layers: Vec::new(),
         })

@@ -260,6 +260,11 @@ impl RmsNorm {
     }
 }
 
+/// RMS normalisation with no learned scale (gemma4's `v_norm`).
+pub fn rms_norm_unscaled(x: &Array, eps: f32) -> Result<Array> {
+    Ok(fast::rms_norm(x, None, eps)?)
+}
+
 /// Rotary position embedding of one attention layer (HF's non-interleaved layout).
 #[derive(Clone)]
 pub struct Rope {
@@ -274,7 +279,7 @@ pub struct Rope {
 
 impl Rope {
     /// Builds the rotary embedding from `rope_theta` and an HF `rope_scaling` object
-    /// (`null`, or `{"rope_type"|"type": "default"|"linear"|"llama3"|"yarn", ...}`).
+    /// (`null`, or `{"rope_type"|"type": "default"|"linear"|"llama3"|"yarn"|"proportional", ...}`).
     pub fn from_config(
         dims: i32,
         base: f32,
@@ -308,6 +313,21 @@ impl Rope {
             .collect();
         match kind {
             "default" => Ok(plain),
+            "proportional" => {
+                // Gemma 4 full-attention layers: the first `partial_rotary_factor` share
+                // of each half-head rotates, with frequencies spaced over the *whole* head
+                // (exponent 2i/dims, not 2i/rotated); the other pairs keep period ∞, i.e.
+                // stay unrotated. HF: `_compute_proportional_rope_parameters`.
+                let partial = num("partial_rotary_factor").unwrap_or(1.0);
+                let factor = num("factor").unwrap_or(1.0);
+                let angles = ((partial * dims as f64) / 2.0).floor().max(0.0) as usize;
+                let adjusted: Vec<f32> = periods
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &p)| if i < angles { (p * factor) as f32 } else { f32::INFINITY })
+                    .collect();
+                Ok(Rope { base: None, freqs: Some(Array::from_slice(&adjusted, &[half as i32])), ..plain })
+            }
             "linear" => Ok(Rope { scale: 1.0 / need("factor")? as f32, ..plain }),
             "llama3" => {
                 let factor = need("factor")?;
@@ -374,7 +394,7 @@ impl Rope {
             }
             other => Err(ModelError::config(
                 config_path,
-                format!("rope_scaling type `{other}` is not supported (supported: default, linear, llama3, yarn)"),
+                format!("rope_scaling type `{other}` is not supported (supported: default, linear, llama3, yarn, proportional)"),
             )),
         }
     }

@@ -5,6 +5,9 @@
 pub mod attention;
 pub mod config;
 pub mod fixtures;
+// Public (unlike the other families) for its tiny test config, which drafter and
+// engine tests build gemma4 targets from.
+pub mod gemma4;
 pub mod layers;
 pub mod transformer;
 

@@ -26,6 +26,9 @@ pub struct DecoderSpec {
     pub model_type: String,
     /// Tensor name prefix of the decoder (`model.` in HF checkpoints).
     pub prefix: String,
+    /// Prefixes tried when the checkpoint has no `{prefix}embed_tokens`: multimodal
+    /// checkpoints name their language model differently in HF and MLX conversions.
+    pub other_prefixes: Vec<String>,
     pub vocab_size: i32,
     pub hidden_size: i32,
     pub intermediate_size: i32,
@@ -38,22 +41,90 @@ pub struct DecoderSpec {
     pub embed_scale: Option<f32>,
     pub tie_word_embeddings: bool,
     pub final_logit_softcap: Option<f32>,
+    /// Each layer's output is multiplied by its learned `layer_scalar` (gemma4).
+    pub layer_scalar: bool,
     pub max_position_embeddings: Option<usize>,
     /// One entry per decoder layer.
     pub layers: Vec<AttentionSpec>,
 }
 
-struct DecoderLayer {
+/// One decoder block (attention + MLP with the family's norms), as the target runs it
+/// and as drafters built from the same families (DSpark) run it over a draft block.
+pub struct DecoderLayer {
     attn: Attention,
     mlp: GatedMlp,
     input_norm: RmsNorm,
     post_attn_norm: RmsNorm,
     /// Sandwich layout only: norm before the MLP and after it.
     ffn_norms: Option<(RmsNorm, RmsNorm)>,
+    layer_scalar: Option<Array>,
 }
 
 impl DecoderLayer {
-    fn forward(
+    /// Loads layer tensors under `prefix` (`model.layers.3`) as `spec` describes them,
+    /// with `attn_spec` for its attention.
+    pub fn load(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        spec: &DecoderSpec,
+        attn_spec: &AttentionSpec,
+    ) -> Result<Self> {
+        let (h, eps, style) = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight);
+        let norm = |w: &mut dyn WeightSource, name: &str| {
+            RmsNorm::load(w, &format!("{prefix}.{name}.weight"), h, eps, style)
+        };
+        let input_norm = norm(w, "input_layernorm")?;
+        let attn = Attention::load(w, &format!("{prefix}.self_attn"), attn_spec.clone())?;
+        let post_attn_norm = norm(w, "post_attention_layernorm")?;
+        let ffn_norms = match spec.norm_layout {
+            NormLayout::PreNorm => None,
+            NormLayout::Sandwich => Some((
+                norm(w, "pre_feedforward_layernorm")?,
+                norm(w, "post_feedforward_layernorm")?,
+            )),
+        };
+        let mlp = GatedMlp::load(
+            w,
+            &format!("{prefix}.mlp"),
+            h,
+            spec.intermediate_size,
+            spec.mlp_bias,
+            spec.activation,
+        )?;
+        let layer_scalar = if spec.layer_scalar {
+            Some(w.tensor(&format!("{prefix}.layer_scalar"), &[1])?)
+        } else {
+            None
+        };
+        Ok(Self {
+            attn,
+            mlp,
+            input_norm,
+            post_attn_norm,
+            ffn_norms,
+            layer_scalar,
+        })
+    }
+
+    pub fn attention(&self) -> &Attention {
+        &self.attn
+    }
+
+    /// `x`: `[1, L, hidden]` after what `cache` holds; `mask` as for [`Attention::forward`].
+    pub fn forward(
+        &self,
+        x: &Array,
+        cache: &mut dspec_plugin_api::KvCache,
+        mask: Option<&Array>,
+    ) -> Result<Array> {
+        let out = self.residual_blocks(x, cache, mask)?;
+        match &self.layer_scalar {
+            Some(scalar) => Ok(out.multiply(scalar)?),
+            None => Ok(out),
+        }
+    }
+
+    fn residual_blocks(
         &self,
         x: &Array,
         cache: &mut dspec_plugin_api::KvCache,
@@ -92,40 +163,27 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn load(spec: DecoderSpec, w: &mut dyn WeightSource) -> Result<Self> {
-        let p = &spec.prefix;
+        let has_embedding = |w: &dyn WeightSource, p: &str| {
+            ["weight", "scales"]
+                .iter()
+                .any(|part| w.contains(&format!("{p}embed_tokens.{part}")))
+        };
+        let p = spec
+            .other_prefixes
+            .iter()
+            .find(|p| !has_embedding(&*w, &spec.prefix) && has_embedding(&*w, p))
+            .unwrap_or(&spec.prefix)
+            .clone();
         let (h, eps, style) = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight);
         let embed = Embedding::load(w, &format!("{p}embed_tokens"), spec.vocab_size, h)?;
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, attn_spec) in spec.layers.iter().enumerate() {
-            let lp = format!("{p}layers.{i}");
-            let norm = |w: &mut dyn WeightSource, name: &str| {
-                RmsNorm::load(w, &format!("{lp}.{name}.weight"), h, eps, style)
-            };
-            let input_norm = norm(w, "input_layernorm")?;
-            let attn = Attention::load(w, &format!("{lp}.self_attn"), attn_spec.clone())?;
-            let post_attn_norm = norm(w, "post_attention_layernorm")?;
-            let ffn_norms = match spec.norm_layout {
-                NormLayout::PreNorm => None,
-                NormLayout::Sandwich => Some((
-                    norm(w, "pre_feedforward_layernorm")?,
-                    norm(w, "post_feedforward_layernorm")?,
-                )),
-            };
-            let mlp = GatedMlp::load(
+            layers.push(DecoderLayer::load(
                 w,
-                &format!("{lp}.mlp"),
-                h,
-                spec.intermediate_size,
-                spec.mlp_bias,
-                spec.activation,
-            )?;
-            layers.push(DecoderLayer {
-                attn,
-                mlp,
-                input_norm,
-                post_attn_norm,
-                ffn_norms,
-            });
+                &format!("{p}layers.{i}"),
+                &spec,
+                attn_spec,
+            )?);
         }
         let norm = RmsNorm::load(w, &format!("{p}norm.weight"), h, eps, style)?;
         // Some checkpoints ship an lm_head even when tied; an untied config requires one.

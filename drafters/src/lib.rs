@@ -3,6 +3,7 @@
 
 pub mod dflash;
 pub mod draft_model;
+pub mod dspark;
 pub mod ngram;
 
 /// Forces the linker to keep this crate's drafter registrations.

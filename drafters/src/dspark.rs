@@ -1,0 +1,856 @@
+//! DSpark (DeepSeek DeepSpec): a few decoder layers draft a whole block per pass,
+//! attending to the target's fused hidden states; a rank-r Markov head corrects each
+//! position from the token before it, and a confidence head can end the block early.
+//!
+//! One code path for both published families (`qwen3` and `gemma4`): they differ only
+//! by config (norm layout, values from keys + value norm, RoPE, activation, embedding
+//! scale, logit softcap), and their layers are the adapters' own Qwen3 and Gemma 4
+//! layers. Facts from the public inference path (mlx-dspark, seed 003); written fresh.
+//!
+//! Per round: block input `[last, mask × (B−1)]` through the drafter's own embedding;
+//! every layer attends from the block (no mask inside it) to [context ; block], where
+//! the context is `hidden_norm(fc(target taps))` projected through the layer's k/v
+//! (cached, grown on `commit`); `norm` and its own `lm_head` give base logits at all B
+//! positions; tokens are then chosen left to right from `base_i + w2(w1[prev])`.
+
+use std::path::Path;
+
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::{concatenate, sigmoid};
+use mlx_rs::{Array, Dtype};
+use serde_json::Value;
+
+use dspec_adapters::attention::AttentionSpec;
+use dspec_adapters::layers::{softcap, Activation, Embedding, Linear, NormWeight, RmsNorm, Rope};
+use dspec_adapters::transformer::{DecoderLayer, DecoderSpec, NormLayout};
+use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::weights::{RandomWeights, Weights};
+use dspec_plugin_api::{
+    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, KvCache, LoadOptions,
+    Quantization, TargetModel, TokenPicker, WeightSource,
+};
+
+/// Group size when quantizing on load (MLX's usual; narrower layers fall back to 32).
+const QUANT_GROUP_SIZE: i32 = 64;
+/// `--drafter-bits` when the user gives none: the drafter runs every round, and 4-bit
+/// is what makes it cheap enough (the seed's default).
+const DEFAULT_BITS: i32 = 4;
+
+/// A tiny qwen3-family DSpark checkpoint config fitting the tiny qwen3 target of
+/// `dspec_engine::tiny_model` (vocab 259, hidden 32, 2 layers): taps both target layers.
+pub const TINY_DSPARK_QWEN3: &str = r#"{
+    "model_type": "qwen3",
+    "hidden_size": 32,
+    "vocab_size": 259,
+    "num_hidden_layers": 1,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "attention_bias": false,
+    "block_size": 4,
+    "mask_token_id": 256,
+    "target_layer_ids": [0, 1],
+    "num_target_layers": 2,
+    "markov_rank": 32,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": true,
+    "confidence_head_with_markov": true
+}"#;
+
+/// The gemma4-family counterpart, fitting the tiny gemma4 target
+/// (`dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES` on the tiny model).
+pub const TINY_DSPARK_GEMMA4: &str = r#"{
+    "model_type": "gemma4_text",
+    "hidden_size": 32,
+    "vocab_size": 259,
+    "num_hidden_layers": 1,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_global_key_value_heads": 1,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "attention_k_eq_v": true,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}
+    },
+    "final_logit_softcapping": 30.0,
+    "block_size": 4,
+    "mask_token_id": 256,
+    "target_layer_ids": [0, 1],
+    "num_target_layers": 2,
+    "markov_rank": 32,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": true,
+    "confidence_head_with_markov": true
+}"#;
+
+/// The two drafter families of the published checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Qwen3,
+    Gemma4,
+}
+
+/// A DSpark checkpoint's config.json, as the loader reads it.
+#[derive(Debug, Clone)]
+pub struct DSparkConfig {
+    pub family: Family,
+    pub hidden_size: i32,
+    pub vocab_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub rms_norm_eps: f32,
+    pub num_attention_heads: i32,
+    /// KV heads of the drafter's attention (gemma4 with k_eq_v: the global ones).
+    pub kv_heads: i32,
+    /// Head size of the drafter's attention (gemma4: `global_head_dim`).
+    pub head_dim: i32,
+    pub k_eq_v: bool,
+    pub attention_bias: bool,
+    pub rope_theta: f32,
+    /// The RoPE variant object (`rope_parameters.full_attention` for gemma4).
+    pub rope: Value,
+    pub block_size: usize,
+    pub mask_token_id: u32,
+    pub target_layer_ids: Vec<usize>,
+    pub num_target_layers: Option<usize>,
+    /// Width of each tapped target layer the `fc` expects (`target_hidden_size`, else
+    /// the drafter's own hidden size, as the published drafters are built).
+    pub target_hidden_size: i32,
+    /// 0: no Markov head.
+    pub markov_rank: i32,
+    pub confidence_head: bool,
+    pub confidence_with_markov: bool,
+    pub final_logit_softcapping: Option<f32>,
+}
+
+/// Reads config fields, turning absent or mistyped required ones into the caller's error.
+struct Fields<'a> {
+    config: &'a Value,
+    error: &'a dyn Fn(String) -> ModelError,
+}
+
+impl Fields<'_> {
+    fn missing(&self, key: &str, what: &str) -> ModelError {
+        (self.error)(format!(
+            "DSpark config needs `{key}` ({what}); is this a complete DSpark checkpoint config?"
+        ))
+    }
+
+    fn wrong(&self, key: &str, what: &str) -> ModelError {
+        (self.error)(format!("`{key}` must be {what}, got {}", self.config[key]))
+    }
+
+    fn present(&self, key: &str) -> bool {
+        self.config.get(key).is_some_and(|v| !v.is_null())
+    }
+
+    fn int(&self, key: &str) -> Result<i64> {
+        if !self.present(key) {
+            return Err(self.missing(key, "an integer"));
+        }
+        self.config[key]
+            .as_i64()
+            .ok_or_else(|| self.wrong(key, "an integer"))
+    }
+
+    fn positive(&self, key: &str) -> Result<i32> {
+        let v = self.int(key)?;
+        i32::try_from(v)
+            .ok()
+            .filter(|&v| v > 0)
+            .ok_or_else(|| self.wrong(key, "a positive integer"))
+    }
+
+    fn positive_or(&self, key: &str, default: i32) -> Result<i32> {
+        if self.present(key) {
+            self.positive(key)
+        } else {
+            Ok(default)
+        }
+    }
+
+    fn float_or(&self, key: &str, default: f64) -> Result<f64> {
+        if !self.present(key) {
+            return Ok(default);
+        }
+        self.config[key]
+            .as_f64()
+            .ok_or_else(|| self.wrong(key, "a number"))
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        if !self.present(key) {
+            return Ok(default);
+        }
+        self.config[key]
+            .as_bool()
+            .ok_or_else(|| self.wrong(key, "true or false"))
+    }
+}
+
+impl DSparkConfig {
+    /// Parses a DSpark config; `error` builds the error for a missing or bad field.
+    /// Defaults are the ones the published inference path uses.
+    pub fn parse(config: &Value, error: &dyn Fn(String) -> ModelError) -> Result<Self> {
+        let f = Fields { config, error };
+        let model_type = config["model_type"].as_str().unwrap_or_default();
+        let family = if model_type.contains("qwen3") {
+            Family::Qwen3
+        } else if model_type.contains("gemma4") {
+            Family::Gemma4
+        } else {
+            return Err(error(format!(
+                "DSpark `model_type` `{model_type}` names no known drafter family (supported: qwen3, gemma4_text)"
+            )));
+        };
+        let gemma = family == Family::Gemma4;
+        let hidden_size = f.positive("hidden_size")?;
+        let num_attention_heads = f.positive("num_attention_heads")?;
+        let local_kv = f.positive_or("num_key_value_heads", 8)?;
+        let k_eq_v = gemma && f.bool_or("attention_k_eq_v", true)?;
+        let (kv_heads, head_dim) = if gemma {
+            let kv = if k_eq_v {
+                f.positive_or("num_global_key_value_heads", 1)?
+            } else {
+                local_kv
+            };
+            (kv, f.positive_or("global_head_dim", 512)?)
+        } else {
+            (
+                local_kv,
+                f.positive_or("head_dim", hidden_size / num_attention_heads)?,
+            )
+        };
+        if num_attention_heads % kv_heads != 0 {
+            return Err(error(format!(
+                "num_attention_heads ({num_attention_heads}) must be a multiple of the drafter's KV heads ({kv_heads})"
+            )));
+        }
+        let (rope_theta, rope) = if gemma {
+            let params = match config["rope_parameters"].get("full_attention") {
+                Some(p) if p.is_object() => p.clone(),
+                _ => {
+                    serde_json::json!({"rope_type": "proportional", "partial_rotary_factor": 0.25})
+                }
+            };
+            let theta = params["rope_theta"].as_f64().unwrap_or(1_000_000.0);
+            (theta as f32, params)
+        } else {
+            // The qwen3 drafters use plain RoPE, whichever layout carries the base.
+            let theta = config["rope_parameters"]["rope_theta"]
+                .as_f64()
+                .map_or_else(|| f.float_or("rope_theta", 1_000_000.0), Ok)?;
+            (theta as f32, Value::Null)
+        };
+        let ids = config
+            .get("target_layer_ids")
+            .filter(|v| !v.is_null())
+            .ok_or_else(|| f.missing("target_layer_ids", "the target layers it taps"))?;
+        let target_layer_ids = ids
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|v| v.as_u64().map(|id| id as usize))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .filter(|ids| !ids.is_empty())
+            .ok_or_else(|| f.wrong("target_layer_ids", "a non-empty list of layer ids"))?;
+        let markov_type = config["markov_head_type"].as_str().unwrap_or("vanilla");
+        if markov_type != "vanilla" {
+            return Err(error(format!(
+                "`markov_head_type` `{markov_type}` is not supported (supported: vanilla)"
+            )));
+        }
+        let markov_rank = if f.present("markov_rank") {
+            i32::try_from(f.int("markov_rank")?)
+                .ok()
+                .filter(|&r| r >= 0)
+                .ok_or_else(|| f.wrong("markov_rank", "0 or a positive integer"))?
+        } else {
+            256
+        };
+        let num_target_layers = if f.present("num_target_layers") {
+            Some(f.positive("num_target_layers")? as usize)
+        } else {
+            None
+        };
+        let default_cap = if gemma { Some(30.0) } else { None };
+        let final_logit_softcapping = match config.get("final_logit_softcapping") {
+            None => default_cap,
+            Some(Value::Null) => None,
+            Some(v) => Some(
+                v.as_f64()
+                    .ok_or_else(|| f.wrong("final_logit_softcapping", "a number or null"))?
+                    as f32,
+            ),
+        };
+        Ok(Self {
+            family,
+            hidden_size,
+            vocab_size: f.positive("vocab_size")?,
+            num_hidden_layers: f.positive("num_hidden_layers")?,
+            intermediate_size: f.positive("intermediate_size")?,
+            rms_norm_eps: f.float_or("rms_norm_eps", 1e-6)? as f32,
+            num_attention_heads,
+            kv_heads,
+            head_dim,
+            k_eq_v,
+            attention_bias: f.bool_or("attention_bias", false)?,
+            rope_theta,
+            rope,
+            block_size: f.positive("block_size")? as usize,
+            mask_token_id: u32::try_from(f.int("mask_token_id")?)
+                .map_err(|_| f.wrong("mask_token_id", "a token id"))?,
+            target_layer_ids,
+            num_target_layers,
+            target_hidden_size: f.positive_or("target_hidden_size", hidden_size)?,
+            markov_rank,
+            confidence_head: f.bool_or("enable_confidence_head", true)?,
+            confidence_with_markov: f.bool_or("confidence_head_with_markov", true)?,
+            final_logit_softcapping,
+        })
+    }
+
+    /// The drafter's layers as the adapters' decoder describes them.
+    fn decoder_spec(&self, config_path: &Path) -> Result<DecoderSpec> {
+        let gemma = self.family == Family::Gemma4;
+        let eps = self.rms_norm_eps;
+        let rope = Rope::from_config(self.head_dim, self.rope_theta, &self.rope, config_path)?;
+        let attention = AttentionSpec {
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            // Gemma 4 lets the q/k norms set the scale.
+            scale: if gemma {
+                1.0
+            } else {
+                (self.head_dim as f32).powf(-0.5)
+            },
+            qkv_bias: self.attention_bias,
+            o_bias: self.attention_bias,
+            qk_norm: Some((eps, NormWeight::Plain)),
+            sliding_window: None,
+            softcap: None,
+            rope,
+            k_eq_v: self.k_eq_v,
+            v_norm: gemma.then_some(eps),
+        };
+        Ok(DecoderSpec {
+            model_type: "dspark".into(),
+            prefix: String::new(),
+            other_prefixes: Vec::new(),
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            rms_norm_eps: eps,
+            norm_weight: NormWeight::Plain,
+            norm_layout: if gemma {
+                NormLayout::Sandwich
+            } else {
+                NormLayout::PreNorm
+            },
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            mlp_bias: false,
+            embed_scale: gemma.then(|| (self.hidden_size as f32).sqrt()),
+            tie_word_embeddings: false,
+            final_logit_softcap: self.final_logit_softcapping,
+            layer_scalar: gemma,
+            max_position_embeddings: None,
+            layers: vec![attention; self.num_hidden_layers as usize],
+        })
+    }
+}
+
+/// The Markov head: `w2(w1[prev])`, a rank-r correction from the previous token.
+struct MarkovHead {
+    w1: Embedding,
+    w2: Linear,
+}
+
+/// The drafter's weights, by the checkpoint's tensor names (no prefix).
+struct DSparkModel {
+    embed: Embedding,
+    embed_scale: Option<f32>,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    softcap: Option<f32>,
+    markov: Option<MarkovHead>,
+    confidence: Option<Linear>,
+}
+
+impl DSparkModel {
+    fn load(cfg: &DSparkConfig, w: &mut dyn WeightSource, config_path: &Path) -> Result<Self> {
+        let spec = cfg.decoder_spec(config_path)?;
+        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let embed = Embedding::load(w, "embed_tokens", v, h)?;
+        let taps_width = cfg.target_layer_ids.len() as i32 * cfg.target_hidden_size;
+        let fc = Linear::load(w, "fc", taps_width, h, false)?;
+        let hidden_norm = RmsNorm::load(w, "hidden_norm.weight", h, eps, NormWeight::Plain)?;
+        let layers = spec
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, attn)| DecoderLayer::load(w, &format!("layers.{i}"), &spec, attn))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(w, "norm.weight", h, eps, NormWeight::Plain)?;
+        let lm_head = Linear::load(w, "lm_head", h, v, false)?;
+        let r = cfg.markov_rank;
+        let markov = if r > 0 {
+            Some(MarkovHead {
+                w1: Embedding::load(w, "markov_head.markov_w1", v, r)?,
+                w2: Linear::load(w, "markov_head.markov_w2", r, v, false)?,
+            })
+        } else {
+            None
+        };
+        let confidence = if cfg.confidence_head {
+            let width = h + if cfg.confidence_with_markov { r } else { 0 };
+            Some(Linear::load(w, "confidence_head.proj", width, 1, true)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            embed,
+            embed_scale: spec.embed_scale,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            lm_head,
+            softcap: cfg.final_logit_softcapping,
+            markov,
+            confidence,
+        })
+    }
+}
+
+/// The DSpark drafter over one sequence: weights plus the per-layer context K/V cache.
+pub struct DSparkDrafter {
+    cfg: DSparkConfig,
+    model: DSparkModel,
+    /// One per drafter layer: the context's keys/values, positions `0..committed`.
+    context: Vec<KvCache>,
+    /// Width of the hidden states the target hands over (`taps × target hidden`).
+    tap_width: i32,
+    confidence_threshold: Option<f32>,
+}
+
+impl DSparkDrafter {
+    /// Loads and checks a DSpark checkpoint against the target it will draft for.
+    pub fn load(request: &DrafterLoadRequest) -> Result<Self> {
+        let dir = request.dir.ok_or_else(|| {
+            request.mismatch("dspark needs a checkpoint directory (pass --drafter DIR)")
+        })?;
+        let config_path = dir.join("config.json");
+        let cfg = DSparkConfig::parse(request.config, &|m| request.mismatch(m))?;
+        validate_against_target(&cfg, request)?;
+        let quantize = quantization(request)?;
+        let options = LoadOptions {
+            dtype: request.options.dtype,
+            quantize,
+        };
+        let mut weights = Weights::open(dir, &options)?;
+        let model = DSparkModel::load(&cfg, &mut weights, &config_path)?;
+        // Tensors nobody asked for mean the config describes another model (e.g. a
+        // v_proj the config says k_eq_v has none of): refuse rather than draft wrong.
+        let unused: Vec<&str> = weights
+            .unused()
+            .into_iter()
+            .filter(|n| !n.contains("rotary_emb"))
+            .collect();
+        if !unused.is_empty() {
+            return Err(ModelError::CorruptWeights {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "{} tensor(s) the DSpark config does not describe, e.g. {:?}; check config.json matches the weights",
+                    unused.len(),
+                    &unused[..unused.len().min(5)]
+                ),
+            });
+        }
+        let threshold = request.options.confidence_threshold;
+        if threshold.is_some() && model.confidence.is_none() {
+            return Err(request.mismatch(
+                "--confidence-threshold needs a confidence head, but this checkpoint has `enable_confidence_head: false`; drop the flag",
+            ));
+        }
+        let tap_width = (cfg.target_layer_ids.len() * request.target.hidden_size) as i32;
+        Ok(Self {
+            context: Vec::new(),
+            tap_width,
+            confidence_threshold: threshold,
+            model,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &DSparkConfig {
+        &self.cfg
+    }
+
+    /// Projects target hidden states of newly committed positions into every layer's
+    /// context cache. Evaluated here so each round's graph stays small.
+    fn extend_context(&mut self, hidden: Option<&Array>, what: &str) -> Result<()> {
+        let hidden = hidden.ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "dspark needs the target's hidden states for {what}"
+            ))
+        })?;
+        let shape = hidden.shape();
+        if shape.len() != 3 || shape[0] != 1 || shape[2] != self.tap_width {
+            return Err(ModelError::Unsupported(format!(
+                "dspark expected target hidden states [1, L, {}] for {what}, got {shape:?}",
+                self.tap_width
+            )));
+        }
+        let fused = self
+            .model
+            .hidden_norm
+            .forward(&self.model.fc.forward(hidden)?)?;
+        for (layer, cache) in self.model.layers.iter().zip(self.context.iter_mut()) {
+            layer.attention().append_context(&fused, cache)?;
+        }
+        let state: Vec<&Array> = self.context.iter().flat_map(KvCache::state).collect();
+        mlx_rs::transforms::eval(state)?;
+        Ok(())
+    }
+
+    /// The block after the context: `[last, mask…]` through every layer and the final
+    /// norm, `[1, B, hidden]`. The block's keys are dropped from the caches afterwards.
+    fn backbone(&mut self, last: u32) -> Result<Array> {
+        let b = self.cfg.block_size;
+        let mut ids = vec![self.cfg.mask_token_id; b];
+        ids[0] = last;
+        let ids = Array::from_slice(&ids, &[1, b as i32]);
+        let mut h = self.model.embed.forward(&ids)?;
+        if let Some(scale) = self.model.embed_scale {
+            h = h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?;
+        }
+        let committed = self.context.first().map_or(0, KvCache::offset);
+        let mut run = || -> Result<Array> {
+            for (layer, cache) in self.model.layers.iter().zip(self.context.iter_mut()) {
+                // No mask: the block sees the whole context and all of itself.
+                h = layer.forward(&h, cache, None)?;
+            }
+            self.model.norm.forward(&h)
+        };
+        let out = run();
+        for cache in &mut self.context {
+            cache.trim(cache.offset() - committed);
+        }
+        out
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        let logits = self.model.lm_head.forward(hidden)?;
+        match self.model.softcap {
+            Some(cap) => softcap(&logits, cap),
+            None => Ok(logits),
+        }
+    }
+
+    /// Confidence (sigmoid) of positions `0..prev.len()`, where `prev[i]` is the token
+    /// before position i; `None` without a confidence head.
+    fn confidences(&self, hidden: &Array, prev: &[u32]) -> Result<Option<Vec<f32>>> {
+        let Some(head) = &self.model.confidence else {
+            return Ok(None);
+        };
+        let k = prev.len() as i32;
+        let mut features = hidden.try_index((0, ..k, ..))?;
+        if let (true, Some(markov)) = (self.cfg.confidence_with_markov, &self.model.markov) {
+            let ids = Array::from_slice(prev, &[k]);
+            let prev_embed = markov.w1.forward(&ids)?.as_dtype(features.dtype())?;
+            features = concatenate(&[features, prev_embed], -1)?;
+        }
+        let scores = sigmoid(&head.forward(&features)?)?
+            .reshape(&[k])?
+            .as_dtype(Dtype::Float32)?;
+        scores.eval()?;
+        Ok(Some(scores.as_slice::<f32>().to_vec()))
+    }
+}
+
+impl Drafter for DSparkDrafter {
+    fn name(&self) -> &str {
+        "dspark"
+    }
+
+    fn taps(&self) -> &[usize] {
+        &self.cfg.target_layer_ids
+    }
+
+    fn begin(
+        &mut self,
+        _target: &dyn TargetModel,
+        _prompt: &[u32],
+        hidden: Option<&Array>,
+    ) -> Result<()> {
+        self.context = (0..self.model.layers.len())
+            .map(|_| KvCache::new())
+            .collect();
+        self.extend_context(hidden, "the prompt")
+    }
+
+    fn propose(
+        &mut self,
+        _target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        picker: &mut dyn TokenPicker,
+    ) -> Result<Draft> {
+        let k = max_k.min(self.cfg.block_size);
+        if k == 0 {
+            return Ok(Draft::default());
+        }
+        let hidden = self.backbone(last)?;
+        let base = self.logits(&hidden.try_index((.., ..k as i32, ..))?)?;
+        let mut draft = Draft::default();
+        let mut prev = vec![last];
+        for i in 0..k as i32 {
+            let mut row = base.try_index((0, i..i + 1, ..))?;
+            if let Some(markov) = &self.model.markov {
+                let p = prev.last().copied().unwrap_or(last);
+                let bias = markov
+                    .w2
+                    .forward(&markov.w1.forward(&Array::from_slice(&[p], &[1]))?)?;
+                row = row.add(bias.as_dtype(row.dtype())?)?;
+            }
+            // The picker sees the Markov-corrected row, so under sampling the q it
+            // records is exactly the distribution the token came from.
+            let picked = picker.pick(&row)?;
+            let token = *picked.tokens.first().ok_or_else(|| {
+                ModelError::Unsupported("token picker returned no token for a row".into())
+            })?;
+            draft.extend(picked);
+            prev.push(token);
+        }
+        if let Some(threshold) = self.confidence_threshold {
+            prev.truncate(k);
+            if let Some(conf) = self.confidences(&hidden, &prev)? {
+                // Never cut below one token: a round always has something to verify.
+                let keep = conf
+                    .iter()
+                    .skip(1)
+                    .position(|&c| c < threshold)
+                    .map_or(k, |i| i + 1);
+                draft.tokens.truncate(keep);
+                if let Some(probs) = draft.probs.as_mut() {
+                    probs.truncate(keep);
+                }
+            }
+        }
+        Ok(draft)
+    }
+
+    fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()> {
+        if verified.is_empty() {
+            return Ok(());
+        }
+        self.extend_context(hidden, "the verified tokens")
+    }
+}
+
+/// Every way a DSpark checkpoint can fail to fit the target, caught before loading
+/// weights, each naming the field, both values and the fix.
+fn validate_against_target(cfg: &DSparkConfig, request: &DrafterLoadRequest) -> Result<()> {
+    let t = request.target;
+    if cfg.vocab_size as usize != t.vocab_size {
+        return Err(request.mismatch(format!(
+            "vocab_size is {} but the target's ({}) is {}: the drafter was trained for another tokenizer; use the DSpark checkpoint made for this target",
+            cfg.vocab_size, t.model_type, t.vocab_size
+        )));
+    }
+    let taps = cfg.target_layer_ids.len();
+    let fc_in = taps * cfg.target_hidden_size as usize;
+    if fc_in != taps * t.hidden_size {
+        return Err(request.mismatch(format!(
+            "fc input width is {fc_in} ({taps} taps × {}) but the target gives {} ({taps} taps × hidden_size {}): the drafter was trained for another target; use the DSpark checkpoint made for this one",
+            cfg.target_hidden_size,
+            taps * t.hidden_size,
+            t.hidden_size
+        )));
+    }
+    if let Some(&bad) = cfg.target_layer_ids.iter().find(|&&id| id >= t.num_layers) {
+        return Err(request.mismatch(format!(
+            "target_layer_ids {:?} include layer {bad} but the target has {} layers (0..={}): use the DSpark checkpoint made for this target",
+            cfg.target_layer_ids,
+            t.num_layers,
+            t.num_layers.saturating_sub(1)
+        )));
+    }
+    if let Some(n) = cfg.num_target_layers.filter(|&n| n != t.num_layers) {
+        return Err(request.mismatch(format!(
+            "num_target_layers is {n} but the target has {} layers: the drafter was trained for another target; use the DSpark checkpoint made for this one",
+            t.num_layers
+        )));
+    }
+    if cfg.mask_token_id as usize >= t.vocab_size {
+        return Err(request.mismatch(format!(
+            "mask_token_id {} is outside the target's vocabulary of {} tokens: fix `mask_token_id` in the drafter's config.json",
+            cfg.mask_token_id, t.vocab_size
+        )));
+    }
+    Ok(())
+}
+
+/// `--drafter-bits`: `None` → 4-bit, `Some(0)` → full precision, `Some(4 | 8)` → that.
+fn quantization(request: &DrafterLoadRequest) -> Result<Option<Quantization>> {
+    match request.options.bits.unwrap_or(DEFAULT_BITS) {
+        0 => Ok(None),
+        bits @ (4 | 8) => Ok(Some(Quantization {
+            bits,
+            group_size: QUANT_GROUP_SIZE,
+        })),
+        other => Err(request.mismatch(format!(
+            "--drafter-bits {other} is not supported for DSpark; use 4 (the default) or 8, or 0 for full precision"
+        ))),
+    }
+}
+
+/// Whether a config.json describes a DSpark drafter: its Markov/confidence head fields
+/// (which no other drafter or model config carries) or a name saying so.
+fn is_dspark_config(config: &Value) -> bool {
+    let named = |v: &Value| {
+        v.as_str()
+            .is_some_and(|s| s.to_ascii_lowercase().contains("dspark"))
+    };
+    let by_name = named(&config["model_type"])
+        || config["architectures"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(named));
+    let by_fields = [
+        "markov_rank",
+        "markov_head_type",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+    ]
+    .iter()
+    .any(|k| config.get(k).is_some());
+    let dflash = config.get("dflash_config").is_some()
+        || config["architectures"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|v| v.as_str().is_some_and(|s| s.contains("DFlash")))
+        });
+    (by_name || by_fields) && !dflash
+}
+
+fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
+    Ok(Box::new(DSparkDrafter::load(request)?))
+}
+
+inventory::submit! {
+    DrafterRegistration {
+        kind: "dspark",
+        summary: "DSpark (DeepSeek DeepSpec): drafts a block per pass from the target's hidden states with its own embedding and head, a Markov head and a confidence head (--confidence-threshold)",
+        detect: is_dspark_config,
+        by_name: false,
+        load,
+    }
+}
+
+/// Writes a random DSpark checkpoint (config.json + model.safetensors, the real schema
+/// and tensor names) for tests. The tensors are the ones the loader asks for, so the
+/// fixture and the loader cannot drift apart.
+pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> {
+    let path = dir.join("config.json");
+    let config: Value = serde_json::from_str(config_json)
+        .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
+    let cfg = DSparkConfig::parse(&config, &|m| ModelError::config(&path, m))?;
+    let mut weights = RandomWeights::new(seed)?;
+    DSparkModel::load(&cfg, &mut weights, &path)?;
+    weights.save(dir, None)?;
+    let text = serde_json::to_string_pretty(&config)
+        .map_err(|e| ModelError::config(&path, format!("cannot serialise: {e}")))?;
+    std::fs::write(&path, text).map_err(|source| ModelError::Io { path, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_dspark_configs_only() {
+        for tiny in [TINY_DSPARK_QWEN3, TINY_DSPARK_GEMMA4] {
+            let config: Value = serde_json::from_str(tiny).unwrap();
+            assert!(is_dspark_config(&config));
+        }
+        let named = serde_json::json!({"architectures": ["DSparkDrafter"]});
+        assert!(is_dspark_config(&named));
+        let dflash = serde_json::json!({"architectures": ["DFlashDraftModel"], "block_size": 16,
+            "dflash_config": {"target_layer_ids": [1], "mask_token_id": 5}});
+        assert!(!is_dspark_config(&dflash));
+        let model = serde_json::json!({"model_type": "qwen3", "hidden_size": 32});
+        assert!(!is_dspark_config(&model));
+    }
+
+    #[test]
+    fn parse_reads_both_families_and_applies_family_defaults() {
+        let err = |m: String| ModelError::Unsupported(m);
+        let q =
+            DSparkConfig::parse(&serde_json::from_str(TINY_DSPARK_QWEN3).unwrap(), &err).unwrap();
+        assert_eq!(q.family, Family::Qwen3);
+        assert_eq!((q.kv_heads, q.head_dim, q.k_eq_v), (2, 16, false));
+        assert_eq!(q.final_logit_softcapping, None);
+        let g =
+            DSparkConfig::parse(&serde_json::from_str(TINY_DSPARK_GEMMA4).unwrap(), &err).unwrap();
+        assert_eq!(g.family, Family::Gemma4);
+        assert_eq!((g.kv_heads, g.head_dim, g.k_eq_v), (1, 32, true));
+        assert_eq!(g.final_logit_softcapping, Some(30.0));
+        assert_eq!(g.rope["rope_type"], "proportional");
+
+        let mut missing: Value = serde_json::from_str(TINY_DSPARK_QWEN3).unwrap();
+        missing.as_object_mut().unwrap().remove("block_size");
+        let e = DSparkConfig::parse(&missing, &err).unwrap_err().to_string();
+        assert!(e.contains("`block_size`"), "{e}");
+    }
+
+    #[test]
+    fn random_checkpoint_holds_the_real_tensor_names() {
+        let dir = tempfile::tempdir().unwrap();
+        write_random_checkpoint(dir.path(), TINY_DSPARK_GEMMA4, 1).unwrap();
+        let names: Vec<String> = Array::load_safetensors(dir.path().join("model.safetensors"))
+            .unwrap()
+            .into_keys()
+            .collect();
+        for name in [
+            "embed_tokens.weight",
+            "fc.weight",
+            "hidden_norm.weight",
+            "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.q_norm.weight",
+            "layers.0.self_attn.k_norm.weight",
+            "layers.0.self_attn.o_proj.weight",
+            "layers.0.pre_feedforward_layernorm.weight",
+            "layers.0.layer_scalar",
+            "layers.0.mlp.gate_proj.weight",
+            "norm.weight",
+            "lm_head.weight",
+            "markov_head.markov_w1.weight",
+            "markov_head.markov_w2.weight",
+            "confidence_head.proj.weight",
+            "confidence_head.proj.bias",
+        ] {
+            assert!(names.iter().any(|n| n == name), "missing {name}: {names:?}");
+        }
+        assert!(
+            !names.iter().any(|n| n.contains("v_proj")),
+            "k_eq_v: values come from k_proj"
+        );
+    }
+}
