@@ -233,6 +233,7 @@ fn every_family_generates_end_to_end() {
         r#"{"model_type": "gemma", "head_dim": 16}"#,
         r#"{"model_type": "gemma2", "head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}"#,
         r#"{"model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}"#,
+        dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES,
     ] {
         let model = tiny_model(overrides);
         let json = generate_json(model.path(), &["--max-tokens", "4", "--quantize", "8"]);
@@ -664,4 +665,76 @@ fn dflash_checkpoint_drafts_through_the_cli_and_mismatches_are_errors() {
         err.contains("config.json") && err.contains("hidden"),
         "{err}"
     );
+}
+
+#[test]
+fn dspark_checkpoint_drafts_through_the_cli_with_its_options() {
+    let model = tiny_model(dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES);
+    let m = path_str(model.path());
+    let drafter = tempfile::tempdir().expect("temp dir");
+    dspec_drafters::dspark::write_random_checkpoint(
+        drafter.path(),
+        dspec_drafters::dspark::TINY_DSPARK_GEMMA4,
+        5,
+    )
+    .expect("write dspark checkpoint");
+    let d = path_str(drafter.path());
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "generate",
+            "--target",
+            m,
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "16",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = dspec(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let plain = run(&[]);
+    for extra in [
+        &["--drafter", d][..],
+        &[
+            "--drafter",
+            d,
+            "--drafter-bits",
+            "0",
+            "--confidence-threshold",
+            "0.5",
+        ][..],
+    ] {
+        let spec = run(extra);
+        assert_eq!(spec["text"], plain["text"], "{extra:?}");
+        assert_eq!(spec["speculative"]["drafter"], "dspark");
+    }
+    let err = dspec_fails(&[
+        "generate",
+        "--target",
+        m,
+        "--prompt",
+        "x",
+        "--drafter",
+        d,
+        "--confidence-threshold",
+        "2",
+    ]);
+    assert!(err.contains("--confidence-threshold"), "{err}");
+    // A qwen3 target of another vocabulary size does not fit a gemma4 drafter.
+    let other = tiny_model(r#"{"model_type": "qwen3", "head_dim": 16, "vocab_size": 300}"#);
+    let out = dspec(&[
+        "generate",
+        "--target",
+        path_str(other.path()),
+        "--prompt",
+        "x",
+        "--drafter",
+        d,
+    ]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("vocab") && !err.contains("panicked"), "{err}");
 }
