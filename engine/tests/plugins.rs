@@ -351,7 +351,7 @@ fn a_failing_or_panicking_plugin_call_is_an_error_not_a_crash() {
         err.contains("panicked") && err.contains("exploded on purpose"),
         "{err}"
     );
-    let after = model.embed(&tokens).err().expect("refused").to_string();
+    let after = model.embed(&tokens).expect_err("refused").to_string();
     assert!(after.contains("panicked earlier"), "{after}");
 
     for fault in ["fail_load", "panic_load"] {

@@ -119,8 +119,23 @@ pub fn load_plugin(path: &Path) -> Result<Arc<PluginLibrary>> {
     // The library must outlive every function pointer and string taken from it, which
     // live as long as the process: never unload it.
     std::mem::forget(library);
-
+    // SAFETY: the entry point has the ABI's signature (it is the ABI's symbol name).
     let descriptor = unsafe { entry() };
+    // SAFETY: the descriptor comes from the library's entry point, as required.
+    unsafe { from_descriptor(path, descriptor) }
+}
+
+/// Checks a descriptor and wraps it: the ABI version first (reading only the header),
+/// then its size, strings and function table. `path` names the plugin in errors.
+///
+/// # Safety
+/// `descriptor` must be NULL or point to at least a [`DescriptorHeader`]; when that
+/// header has this ABI version and a large enough size, to a [`PluginDescriptor`]
+/// that stays valid for the life of the process.
+pub(crate) unsafe fn from_descriptor(
+    path: &Path,
+    descriptor: *const PluginDescriptor,
+) -> Result<Arc<PluginLibrary>> {
     if descriptor.is_null() {
         return Err(plugin_error(
             path,
@@ -641,5 +656,266 @@ impl ExternalCache for PluginCache {
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::OnceLock;
+
+    use mlx_rs::ops::zeros;
+
+    use super::*;
+    use crate::plugin::abi::PluginFunctions;
+    use crate::plugin::export::{descriptor, functions, PluginExport, StaticDescriptor};
+    use crate::target::LoadOptions;
+
+    const VOCAB: i32 = 11;
+    const HIDDEN: i32 = 4;
+
+    /// A stand-in model exported through the real shims, in-process: zero outputs of the
+    /// right shapes, a one-layer cache; token 98 makes forward fail, 99 makes it panic.
+    struct Stub {
+        info: ModelInfo,
+    }
+
+    impl TargetModel for Stub {
+        fn info(&self) -> &ModelInfo {
+            &self.info
+        }
+
+        fn new_cache(&self) -> ModelCache {
+            ModelCache::new(1)
+        }
+
+        fn forward(
+            &self,
+            tokens: &Array,
+            cache: &mut ModelCache,
+            taps: &[usize],
+        ) -> Result<ForwardOutput> {
+            let ids = tokens.as_dtype(Dtype::Uint32)?;
+            if ids.as_slice::<u32>().contains(&99) {
+                panic!("token 99 is poison");
+            }
+            if ids.as_slice::<u32>().contains(&98) {
+                return Err(ModelError::Unsupported("token 98 failed on purpose".into()));
+            }
+            let len = tokens.shape()[1];
+            let kv = zeros::<f32>(&[1, 1, len, 2])?;
+            cache.layers[0].update_and_fetch(&kv, &kv)?;
+            let hidden = if taps.is_empty() {
+                None
+            } else {
+                Some(zeros::<f32>(&[1, len, HIDDEN * taps.len() as i32])?)
+            };
+            Ok(ForwardOutput {
+                logits: zeros::<f32>(&[1, len, VOCAB])?,
+                hidden,
+            })
+        }
+
+        fn embed(&self, tokens: &Array) -> Result<Array> {
+            Ok(zeros::<f32>(&[1, tokens.shape()[1], HIDDEN])?)
+        }
+
+        fn lm_head(&self, hidden: &Array) -> Result<Array> {
+            Ok(zeros::<f32>(&[1, hidden.shape()[1], VOCAB])?)
+        }
+
+        fn final_norm(&self, hidden: &Array) -> Result<Array> {
+            Ok(hidden.clone())
+        }
+    }
+
+    struct StubExport;
+
+    impl PluginExport for StubExport {
+        fn load(request: &LoadRequest<'_>) -> Result<Box<dyn TargetModel>> {
+            if request.config["fail"].as_bool() == Some(true) {
+                return Err(ModelError::config(request.dir, "asked to fail"));
+            }
+            (request.progress)(1, 1);
+            Ok(Box::new(Stub {
+                info: ModelInfo {
+                    model_type: "stub".into(),
+                    num_layers: 1,
+                    hidden_size: HIDDEN as usize,
+                    vocab_size: VOCAB as usize,
+                    dtype: Dtype::Float32,
+                    quantized_bits: None,
+                    max_context: Some(64),
+                },
+            }))
+        }
+    }
+
+    fn stub_library() -> Arc<PluginLibrary> {
+        static DESCRIPTOR: OnceLock<StaticDescriptor> = OnceLock::new();
+        let d = descriptor::<StubExport>(&DESCRIPTOR, "stub", "1.2.3", &["stub"], &["StubLM"]);
+        unsafe { from_descriptor(Path::new("libstub.so"), d) }.unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn load(config: serde_json::Value) -> Result<Box<dyn TargetModel>> {
+        let reported = std::cell::Cell::new(0);
+        let progress = |done: usize, _total: usize| reported.set(done);
+        let model = stub_library().load_model(&LoadRequest {
+            dir: Path::new("/models/stub"),
+            config: &config,
+            options: &LoadOptions::default(),
+            progress: &progress,
+        })?;
+        assert_eq!(reported.get(), 1, "progress crosses the ABI");
+        Ok(model)
+    }
+
+    fn ids(tokens: &[u32]) -> Array {
+        Array::from_slice(tokens, &[1, tokens.len() as i32])
+    }
+
+    #[test]
+    fn a_model_round_trips_through_the_c_abi() {
+        let library = stub_library();
+        assert_eq!(library.name(), "stub");
+        assert_eq!(library.architectures(), ["StubLM".to_string()]);
+        let entry = library.adapter_entry();
+        assert_eq!(entry.name, "stub 1.2.3");
+        assert!(matches!(
+            entry.source,
+            AdapterSource::Plugin {
+                abi_version: ABI_VERSION,
+                ..
+            }
+        ));
+
+        let model = load(serde_json::json!({})).unwrap();
+        assert_eq!(model.info().model_type, "stub");
+        assert_eq!(model.info().max_context, Some(64));
+        let mut cache = model.new_cache();
+        let out = model.forward(&ids(&[1, 2, 3]), &mut cache, &[0]).unwrap();
+        assert_eq!(out.logits.shape(), &[1, 3, VOCAB]);
+        assert_eq!(
+            out.hidden.map(|h| h.shape().to_vec()),
+            Some(vec![1, 3, HIDDEN])
+        );
+        assert_eq!(cache.offset(), 3);
+        assert_eq!(cache.state().count(), 2, "keys and values of the one layer");
+        assert_eq!(cache.trim(2), 2);
+        assert_eq!(cache.offset(), 1);
+        let out = model.forward(&ids(&[4]), &mut cache, &[]).unwrap();
+        assert!(out.hidden.is_none());
+        assert_eq!(cache.offset(), 2);
+        // Arrays handed over stay valid after the model and its cache are gone.
+        let embedded = model.embed(&ids(&[1, 2])).unwrap();
+        drop(cache);
+        drop(model);
+        assert_eq!(embedded.shape(), &[1, 2, HIDDEN]);
+        assert_eq!(
+            embedded.sum(None).unwrap().try_item_cast::<f32>().unwrap(),
+            0.0
+        );
+    }
+
+    #[test]
+    fn plugin_errors_and_panics_become_errs_and_a_panic_poisons_the_model() {
+        let err = load(serde_json::json!({"fail": true}))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("libstub.so") && err.contains("asked to fail"),
+            "{err}"
+        );
+
+        let model = load(serde_json::json!({})).unwrap();
+        let mut cache = model.new_cache();
+        let err = model
+            .forward(&ids(&[98]), &mut cache, &[])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("forward") && err.contains("failed on purpose"),
+            "{err}"
+        );
+        model
+            .forward(&ids(&[1]), &mut cache, &[])
+            .expect("an Err leaves the model usable");
+
+        let err = model
+            .forward(&ids(&[99]), &mut cache, &[])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("panicked") && err.contains("poison"), "{err}");
+        let err = model.embed(&ids(&[1])).expect_err("refused").to_string();
+        assert!(err.contains("panicked earlier"), "{err}");
+    }
+
+    #[test]
+    fn the_abi_version_is_checked_before_anything_else() {
+        let path = Path::new("libother.so");
+        // Only a header: reading past it would be a bug the version check must prevent.
+        let newer = DescriptorHeader {
+            struct_size: 8,
+            abi_version: ABI_VERSION + 1,
+        };
+        let err = unsafe { from_descriptor(path, &newer as *const _ as *const PluginDescriptor) }
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains(&format!("ABI v{}", ABI_VERSION + 1)) && err.contains("newer dspec"),
+            "{err}"
+        );
+        let short = DescriptorHeader {
+            struct_size: 8,
+            abi_version: ABI_VERSION,
+        };
+        let err = unsafe { from_descriptor(path, &short as *const _ as *const PluginDescriptor) }
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("8 bytes"), "{err}");
+        let err = unsafe { from_descriptor(path, std::ptr::null()) }
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("no descriptor"), "{err}");
+    }
+
+    #[test]
+    fn an_incomplete_descriptor_is_refused() {
+        let types = [c"stub".as_ptr()];
+        let make = |functions: PluginFunctions, model_types_len: usize| PluginDescriptor {
+            struct_size: std::mem::size_of::<PluginDescriptor>() as u32,
+            abi_version: ABI_VERSION,
+            name: c"partial".as_ptr(),
+            version: c"0".as_ptr(),
+            model_types: types.as_ptr(),
+            model_types_len,
+            architectures: std::ptr::null(),
+            architectures_len: 0,
+            functions,
+        };
+        let path = Path::new("libpartial.so");
+        let no_forward = make(
+            PluginFunctions {
+                forward: None,
+                ..functions::<StubExport>()
+            },
+            1,
+        );
+        let err = unsafe { from_descriptor(path, &no_forward) }
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("lacks `forward`"), "{err}");
+        let no_types = make(functions::<StubExport>(), 0);
+        let err = unsafe { from_descriptor(path, &no_types) }
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("no model_type"), "{err}");
     }
 }
