@@ -340,6 +340,16 @@ fn a_failing_or_panicking_plugin_call_is_an_error_not_a_crash() {
         .to_string();
     assert!(again.contains("on purpose"), "{again}");
 
+    // An MLX exception inside the plugin comes back as its message.
+    let mlx = faulty_model("mlx_forward");
+    let model = load(mlx.path(), &registry, &LoadOptions::default()).model;
+    let err = model
+        .forward(&tokens, &mut model.new_cache(), &[])
+        .err()
+        .expect("MLX error")
+        .to_string();
+    assert!(err.contains("MLX error") && err.contains("matmul"), "{err}");
+
     let panicking = faulty_model("panic_forward");
     let model = load(panicking.path(), &registry, &LoadOptions::default()).model;
     let err = model

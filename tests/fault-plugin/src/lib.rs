@@ -2,7 +2,7 @@
 //! every way a plugin can go wrong reaches the user as a clear error, never a crash.
 //!
 //! Its model needs no weights: config.json's `"fault"` picks what breaks
-//! (`fail_load`, `panic_load`, `fail_forward`, `panic_forward`; anything else works,
+//! (`fail_load`, `panic_load`, `fail_forward`, `panic_forward`, `mlx_forward`; anything else works,
 //! returning zero logits). Two environment variables, read once when the descriptor is
 //! built, change the descriptor itself: `DSPEC_FAULT_PLUGIN_ABI` (the ABI version it
 //! claims) and `DSPEC_FAULT_PLUGIN_MODEL_TYPES` (comma-separated; default `faulty`).
@@ -41,6 +41,15 @@ impl TargetModel for Faulty {
         match self.fault.as_str() {
             "panic_forward" => panic!("forward exploded on purpose"),
             "fail_forward" => Err(ModelError::Unsupported("forward failed on purpose".into())),
+            // An exception inside MLX (shapes that cannot be multiplied), raised in the
+            // plugin's own copy of mlx-c.
+            "mlx_forward" => {
+                let a = zeros::<f32>(&[2, 3])?;
+                mlx_rs::ops::matmul(&a, &a)?;
+                Err(ModelError::Unsupported(
+                    "MLX accepted a [2,3]x[2,3] matmul".into(),
+                ))
+            }
             _ => {
                 let len = tokens.shape().get(1).copied().unwrap_or(1);
                 let (v, h) = (self.info.vocab_size as i32, self.info.hidden_size as i32);
