@@ -11,6 +11,7 @@ pub mod generate;
 pub mod gguf;
 pub mod loading;
 pub mod model_source;
+pub mod plugins;
 pub mod runtime;
 pub mod sampling;
 pub mod speculative;

@@ -11,12 +11,13 @@ use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROM
 use dspec_engine::chat_template::{ChatMessage, ChatTemplate};
 use dspec_engine::drafting::{available_drafters, load_drafter};
 use dspec_engine::generate::{generate, GenerationConfig, GenerationOutput};
-use dspec_engine::loading::{builtin_registry, load_model};
+use dspec_engine::loading::load_model;
+use dspec_engine::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::runtime::{version_report, Backend};
 use dspec_engine::sampling::SamplingParams;
 use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tokenizer::TextTokenizer;
-use dspec_plugin_api::{DrafterOptions, LoadOptions, Quantization};
+use dspec_plugin_api::{AdapterRegistry, DrafterOptions, LoadOptions, Quantization};
 
 #[derive(Parser)]
 #[command(
@@ -28,8 +29,39 @@ struct Cli {
     /// Print dspec's version, the MLX version and the default device.
     #[arg(short = 'V', long = "version")]
     version: bool,
+    #[command(flatten)]
+    plugins: PluginArgs,
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+/// Adapter plugins: shared libraries adding model families (see examples/adapter-plugin).
+#[derive(Args)]
+struct PluginArgs {
+    /// Load the adapter plugin in FILE (repeatable). Plugins are also loaded from the
+    /// directories in $DSPEC_PLUGIN_PATH and from $XDG_DATA_HOME/dspec/plugins
+    /// (default ~/.local/share/dspec/plugins), in that order.
+    #[arg(long = "plugin", value_name = "FILE", global = true)]
+    plugin: Vec<PathBuf>,
+    /// Let plugins load model types that a built-in adapter also handles (otherwise
+    /// such a clash is an error).
+    #[arg(long, global = true)]
+    plugin_override: bool,
+}
+
+impl PluginArgs {
+    /// The built-in adapters and every plugin found; notes go to stderr.
+    fn registry(&self) -> Result<AdapterRegistry> {
+        let options = PluginOptions {
+            files: self.plugin.clone(),
+            override_builtin: self.plugin_override,
+        };
+        let found = registry_with_plugins(&options, &PluginSearch::from_env())?;
+        for note in &found.notes {
+            eprintln!("note: {note}");
+        }
+        Ok(found.registry)
+    }
 }
 
 #[derive(Subcommand)]
@@ -242,10 +274,10 @@ fn main() {
             println!("{}", version_report());
             Ok(())
         }
-        (false, Some(Command::Generate(args))) => run_generate(args),
-        (false, Some(Command::Adapters(args))) => run_adapters(args),
+        (false, Some(Command::Generate(args))) => run_generate(args, &cli.plugins),
+        (false, Some(Command::Adapters(args))) => run_adapters(args, &cli.plugins),
         (false, Some(Command::Convert(args))) => run_convert(args),
-        (false, Some(Command::Bench(args))) => run_bench(args),
+        (false, Some(Command::Bench(args))) => run_bench(args, &cli.plugins),
         (false, None) => {
             eprintln!("dspec: give a command (generate, adapters) or --help");
             std::process::exit(2);
@@ -329,7 +361,7 @@ fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
     })
 }
 
-fn run_generate(args: GenerateArgs) -> Result<()> {
+fn run_generate(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
     let prompt_text = read_prompt(&args)?;
     let sampling = sampling_params(&args)?;
     if args.max_tokens == 0 {
@@ -337,7 +369,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     }
     let backend = Backend::detect();
     let options = args.model.load_options(backend)?;
-    let registry = builtin_registry()?;
+    let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json;
     let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
     let tokenizer = &loaded.tokenizer;
@@ -456,7 +488,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_bench(args: BenchArgs) -> Result<()> {
+fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
@@ -466,7 +498,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     };
     let backend = Backend::detect();
     let options = args.model.load_options(backend)?;
-    let registry = builtin_registry()?;
+    let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json;
     let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
     let drafter_options = args.tuning.options(loaded.model.info().dtype)?;
@@ -560,8 +592,8 @@ fn run_convert(args: ConvertArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_adapters(args: AdaptersArgs) -> Result<()> {
-    let registry = builtin_registry()?;
+fn run_adapters(args: AdaptersArgs, plugins: &PluginArgs) -> Result<()> {
+    let registry = plugins.registry()?;
     if let Some(dir) = args.detect {
         let found = registry.detect(&dir)?;
         println!(

@@ -1,6 +1,8 @@
 //! Per-layer key/value cache over a preallocated buffer. `trim(n)` only moves the
 //! write offset back, so rejecting speculative tokens costs O(1) whatever the context.
 
+use std::any::Any;
+
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
@@ -89,31 +91,77 @@ impl KvCache {
     }
 }
 
-/// The cache of a whole model: one `KvCache` per decoder layer, moved in lockstep.
+/// A cache kept outside this process's Rust types, such as a dylib plugin's own cache
+/// behind an opaque handle. The engine only moves it (trim), asks where it stands
+/// (offset) and evaluates its arrays together with a step's outputs (state).
+pub trait ExternalCache: Send {
+    /// Tokens currently held.
+    fn offset(&self) -> usize;
+
+    /// Forgets the last `n` positions (clamped); returns how many were dropped.
+    fn trim(&mut self, n: usize) -> usize;
+
+    /// The arrays backing the cache, as of the latest forward pass.
+    fn state(&self) -> &[Array];
+
+    /// For the model that made the cache to get its own type back.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// The cache of a whole model: one `KvCache` per decoder layer, moved in lockstep,
+/// or an [`ExternalCache`] when the model keeps its cache itself (plugins).
 #[derive(Default)]
 pub struct ModelCache {
     pub layers: Vec<KvCache>,
+    external: Option<Box<dyn ExternalCache>>,
 }
 
 impl ModelCache {
     pub fn new(num_layers: usize) -> Self {
         Self {
             layers: (0..num_layers).map(|_| KvCache::new()).collect(),
+            external: None,
+        }
+    }
+
+    /// A cache the model manages itself; `layers` stays empty, so a model expecting
+    /// per-layer caches rejects it instead of silently running without one.
+    pub fn external(cache: Box<dyn ExternalCache>) -> Self {
+        Self {
+            layers: Vec::new(),
+            external: Some(cache),
+        }
+    }
+
+    /// The external cache, when this is one.
+    pub fn external_mut(&mut self) -> Option<&mut dyn ExternalCache> {
+        match &mut self.external {
+            Some(cache) => Some(cache.as_mut()),
+            None => None,
         }
     }
 
     /// Tokens currently held (all layers agree).
     pub fn offset(&self) -> usize {
-        self.layers.first().map_or(0, KvCache::offset)
+        match &self.external {
+            Some(cache) => cache.offset(),
+            None => self.layers.first().map_or(0, KvCache::offset),
+        }
     }
 
     /// Drops the last `n` positions from every layer.
     pub fn trim(&mut self, n: usize) -> usize {
-        self.layers.iter_mut().map(|l| l.trim(n)).min().unwrap_or(0)
+        match &mut self.external {
+            Some(cache) => cache.trim(n),
+            None => self.layers.iter_mut().map(|l| l.trim(n)).min().unwrap_or(0),
+        }
     }
 
     pub fn state(&self) -> impl Iterator<Item = &Array> {
-        self.layers.iter().flat_map(KvCache::state)
+        self.layers
+            .iter()
+            .flat_map(KvCache::state)
+            .chain(self.external.iter().flat_map(|cache| cache.state().iter()))
     }
 }
 

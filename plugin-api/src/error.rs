@@ -65,6 +65,9 @@ pub enum ModelError {
         second: String,
     },
 
+    #[error("plugin {path}: {message}")]
+    Plugin { path: PathBuf, message: String },
+
     #[error("drafter {path} does not fit the target: {message}")]
     DrafterMismatch { path: PathBuf, message: String },
 

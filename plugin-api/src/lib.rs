@@ -2,17 +2,19 @@
 //! trait, the KV cache, weight loading by HF tensor name, and the adapter registry.
 //!
 //! Built-in families (crate `dspec-adapters`) and external plugins implement these;
-//! the engine only ever talks to a `Box<dyn TargetModel>`.
+//! the engine only ever talks to a `Box<dyn TargetModel>`. External plugins cross a
+//! C ABI ([`plugin`]) and are wrapped back into the same trait.
 
 pub mod cache;
 pub mod conformance;
 pub mod drafter;
 pub mod error;
+pub mod plugin;
 pub mod registry;
 pub mod target;
 pub mod weights;
 
-pub use cache::{KvCache, ModelCache};
+pub use cache::{ExternalCache, KvCache, ModelCache};
 pub use drafter::{
     detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Draft, Drafter, DrafterLoadRequest,
     DrafterOptions, DrafterRegistration, Picked, TokenPicker,
