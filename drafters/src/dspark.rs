@@ -771,6 +771,10 @@ pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Resu
     let config: Value = serde_json::from_str(config_json)
         .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
     let cfg = DSparkConfig::parse(&config, &|m| ModelError::config(&path, m))?;
+    std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let mut weights = RandomWeights::new(seed)?;
     DSparkModel::load(&cfg, &mut weights, &path)?;
     weights.save(dir, None)?;

@@ -631,3 +631,68 @@ fn cli_errors_for_bad_plugins_are_clear() {
         "{err}"
     );
 }
+
+/// DFlash and DSpark draft from the target's tap outputs and (DFlash) through its
+/// embedding and lm_head: all of it crosses the C ABI here, and the output must still
+/// be plain greedy decoding's.
+#[test]
+fn dflash_and_dspark_draft_for_a_plugin_target() {
+    let p = plugins();
+    let registry = registry(&[&p.example]);
+    let target_dir = tiny_phi3(7);
+    let target = load(target_dir.path(), &registry, &LoadOptions::default());
+    let cfg = greedy_config(24);
+    let ids = target
+        .tokenizer
+        .encode_prompt("drafting across the boundary", false)
+        .unwrap();
+    let plain = generate(
+        target.model.as_ref(),
+        &target.tokenizer,
+        &ids,
+        &cfg,
+        &mut |_| {},
+    )
+    .unwrap();
+    let root = tempfile::tempdir().expect("temp dir");
+    let dflash = root.path().join("dflash");
+    let dspark = root.path().join("dspark");
+    dspec_drafters::dflash::write_random_checkpoint(
+        &dflash,
+        dspec_drafters::dflash::TINY_DFLASH,
+        3,
+    )
+    .expect("dflash checkpoint");
+    dspec_drafters::dspark::write_random_checkpoint(
+        &dspark,
+        dspec_drafters::dspark::TINY_DSPARK_QWEN3,
+        3,
+    )
+    .expect("dspark checkpoint");
+    for (dir, kind) in [(&dflash, "dflash"), (&dspark, "dspark")] {
+        let mut drafter = load_drafter(
+            dir.to_str().expect("utf-8 path"),
+            &target,
+            &registry,
+            &LoadOptions::default(),
+            &DrafterOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        assert_eq!(drafter.name(), kind);
+        let out = generate_speculative(
+            target.model.as_ref(),
+            &target.tokenizer,
+            &ids,
+            &cfg,
+            Speculation {
+                drafter: drafter.as_mut(),
+                max_draft: 3,
+                trace: None,
+            },
+            &mut |_| {},
+        )
+        .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        assert_eq!(out.tokens, plain.tokens, "{kind}");
+        assert!(out.speculative.drafted_tokens > 0, "{kind} drafted nothing");
+    }
+}
