@@ -3,10 +3,10 @@
 
 use std::collections::HashMap;
 
-use mlx_rs::ops::concatenate;
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
 
-use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::error::Result;
+use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
 use crate::attention::{attention_mask, Attention, AttentionSpec};
@@ -213,25 +213,6 @@ impl Decoder {
     }
 }
 
-fn check_tokens(tokens: &Array) -> Result<()> {
-    if tokens.ndim() != 2 || tokens.shape()[0] != 1 || tokens.shape()[1] == 0 {
-        return Err(ModelError::Unsupported(format!(
-            "forward expects tokens of shape [1, L>0], got {:?}",
-            tokens.shape()
-        )));
-    }
-    if !matches!(
-        tokens.dtype(),
-        Dtype::Int32 | Dtype::Uint32 | Dtype::Int64 | Dtype::Uint64
-    ) {
-        return Err(ModelError::Unsupported(format!(
-            "token ids must be integers, got {:?}",
-            tokens.dtype()
-        )));
-    }
-    Ok(())
-}
-
 impl TargetModel for Decoder {
     fn info(&self) -> &ModelInfo {
         &self.info
@@ -247,24 +228,13 @@ impl TargetModel for Decoder {
         cache: &mut ModelCache,
         taps: &[usize],
     ) -> Result<ForwardOutput> {
-        check_tokens(tokens)?;
-        if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(ModelError::Unsupported(format!(
-                "tap layer {bad} out of range: the model has {} layers",
-                self.layers.len()
-            )));
-        }
-        if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Unsupported(
-                "cache was made for a different model".into(),
-            ));
-        }
+        check_forward_args(tokens, cache, taps, self.layers.len())?;
         let len = tokens.shape()[1];
         let offset = cache.offset() as i32;
         // One mask per distinct window, shared by the layers that use it.
         let mut masks: HashMap<Option<i32>, Option<Array>> = HashMap::new();
         let mut h = self.embed(tokens)?;
-        let mut captured: Vec<(usize, Array)> = Vec::with_capacity(taps.len());
+        let mut tapped = TapCollector::new(taps, self.layers.len());
         for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
         {
             let window = layer.attn.sliding_window();
@@ -275,20 +245,10 @@ impl TargetModel for Decoder {
                 }
             };
             h = layer.forward(&h, layer_cache, mask.as_ref())?;
-            if taps.contains(&i) {
-                captured.push((i, h.clone()));
-            }
+            tapped.offer(i, &h);
         }
         let logits = self.lm_head(&self.final_norm(&h)?)?;
-        let hidden = if taps.is_empty() {
-            None
-        } else {
-            let ordered: Vec<&Array> = taps
-                .iter()
-                .filter_map(|t| captured.iter().find(|(i, _)| i == t).map(|(_, a)| a))
-                .collect();
-            Some(concatenate(&ordered, -1)?)
-        };
+        let hidden = tapped.finish()?;
         Ok(ForwardOutput { logits, hidden })
     }
 

@@ -22,7 +22,7 @@ use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::weights::RandomWeights;
 use dspec_plugin_api::{
     inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, KvCache, LoadOptions,
-    ModelInfo, Quantization, TargetModel, TokenPicker, WeightSource, Weights,
+    ModelInfo, TargetModel, TokenPicker, WeightSource, Weights,
 };
 
 /// What a DFlash checkpoint's config.json lists under `architectures`.
@@ -60,9 +60,6 @@ pub const TINY_DFLASH: &str = r#"{
 /// HF Qwen3's default for `max_window_layers`: with `use_sliding_window` and no
 /// `layer_types`, layers from this index on use the window.
 const DEFAULT_MAX_WINDOW_LAYERS: usize = 28;
-
-/// Group size for quantizing on load (`Linear` falls back to 32 where 64 does not divide).
-const QUANT_GROUP_SIZE: i32 = 64;
 
 /// A DFlash config.json, read against the z-lab schema. `target_layer_ids`,
 /// `mask_token_id` and `block_size` may sit in `dflash_config` or at the top level.
@@ -494,7 +491,10 @@ impl DFlashDrafter {
             .map_err(|m| request.mismatch(m))?;
         let options = LoadOptions {
             dtype: request.options.dtype,
-            quantize: quantization(request)?,
+            quantize: request
+                .options
+                .quantization(0)
+                .map_err(|m| request.mismatch(m))?,
         };
         let mut weights = Weights::open(dir, &options)?;
         let prefix = if weights.contains("model.fc.weight") {
@@ -644,20 +644,6 @@ fn is_dflash_config(config: &serde_json::Value) -> bool {
     config["architectures"]
         .as_array()
         .is_some_and(|a| a.iter().any(|v| v.as_str() == Some(ARCHITECTURE)))
-}
-
-/// Which `--drafter-bits` values quantize, and how.
-fn quantization(request: &DrafterLoadRequest) -> Result<Option<Quantization>> {
-    match request.options.bits {
-        None | Some(0) => Ok(None),
-        Some(bits @ (4 | 8)) => Ok(Some(Quantization {
-            bits,
-            group_size: QUANT_GROUP_SIZE,
-        })),
-        Some(other) => Err(request.mismatch(format!(
-            "--drafter-bits {other} is not supported for DFlash; use 4 or 8 (or 0 for full precision)"
-        ))),
-    }
 }
 
 fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {

@@ -27,11 +27,9 @@ use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::weights::{RandomWeights, Weights};
 use dspec_plugin_api::{
     inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, KvCache, LoadOptions,
-    Quantization, TargetModel, TokenPicker, WeightSource,
+    TargetModel, TokenPicker, WeightSource,
 };
 
-/// Group size when quantizing on load (MLX's usual; narrower layers fall back to 32).
-const QUANT_GROUP_SIZE: i32 = 64;
 /// `--drafter-bits` when the user gives none: the drafter runs every round, and 4-bit
 /// is what makes it cheap enough (the seed's default).
 const DEFAULT_BITS: i32 = 4;
@@ -459,7 +457,10 @@ impl DSparkDrafter {
         let config_path = dir.join("config.json");
         let cfg = DSparkConfig::parse(request.config, &|m| request.mismatch(m))?;
         validate_against_target(&cfg, request)?;
-        let quantize = quantization(request)?;
+        let quantize = request
+            .options
+            .quantization(DEFAULT_BITS)
+            .map_err(|m| request.mismatch(m))?;
         let options = LoadOptions {
             dtype: request.options.dtype,
             quantize,
@@ -706,20 +707,6 @@ fn validate_against_target(cfg: &DSparkConfig, request: &DrafterLoadRequest) -> 
         )));
     }
     Ok(())
-}
-
-/// `--drafter-bits`: `None` → 4-bit, `Some(0)` → full precision, `Some(4 | 8)` → that.
-fn quantization(request: &DrafterLoadRequest) -> Result<Option<Quantization>> {
-    match request.options.bits.unwrap_or(DEFAULT_BITS) {
-        0 => Ok(None),
-        bits @ (4 | 8) => Ok(Some(Quantization {
-            bits,
-            group_size: QUANT_GROUP_SIZE,
-        })),
-        other => Err(request.mismatch(format!(
-            "--drafter-bits {other} is not supported for DSpark; use 4 (the default) or 8, or 0 for full precision"
-        ))),
-    }
 }
 
 /// Whether a config.json describes a DSpark drafter: its Markov/confidence head fields

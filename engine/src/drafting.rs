@@ -13,7 +13,7 @@ use std::path::Path;
 use dspec_plugin_api::{
     detect_drafter_kind, drafter_kind_by_name, drafter_kinds, AdapterRegistry, Drafter,
     DrafterLoadRequest, DrafterOptions, DrafterRegistration, LoadOptions, LoadRequest, ModelError,
-    Quantization, TargetModel,
+    TargetModel,
 };
 
 use crate::error::EngineError;
@@ -46,22 +46,11 @@ pub fn load_drafter(
     options: &DrafterOptions,
 ) -> Result<Box<dyn Drafter>, EngineError> {
     dspec_drafters::link();
-    if let Some(bits) = options.bits {
-        if ![0, 4, 8].contains(&bits) {
-            return Err(EngineError::Invalid(format!(
-                "--drafter-bits takes 4, 8 or 0 (full precision), got {bits}"
-            )));
-        }
-    }
+    // Validated here for every kind, so `--drafter-bits 3 --drafter ngram` is refused
+    // too; a draft model is full precision unless asked.
     let draft_model_options = LoadOptions {
         dtype: target_options.dtype.or(Some(target.model.info().dtype)),
-        quantize: match options.bits {
-            Some(bits @ (4 | 8)) => Some(Quantization {
-                bits,
-                group_size: 64,
-            }),
-            _ => None,
-        },
+        quantize: options.quantization(0).map_err(EngineError::Invalid)?,
     };
     let load_model = |dir: &Path| -> Result<Box<dyn TargetModel>, ModelError> {
         let found = registry.detect(dir)?;
@@ -145,9 +134,7 @@ fn check_same_tokenizer(dir: &Path, target: &TextTokenizer) -> Result<(), Engine
             a.len()
         )));
     }
-    let mut mismatched: Vec<(&String, &u32)> =
-        a.iter().filter(|(t, id)| b.get(*t) != Some(id)).collect();
-    if let Some((token, id)) = mismatched.pop() {
+    if let Some((token, id)) = a.iter().find(|(t, id)| b.get(*t) != Some(id)) {
         return Err(differs(format!(
             "token {token:?} is id {id} in the target but {:?} in the draft model",
             b.get(token)

@@ -120,37 +120,36 @@ fn accept(
     };
     let p = distributions(logits, sampler.params())?;
     for (i, &d) in draft.tokens.iter().enumerate() {
-        let vocab = p[i].len();
-        // The drafter's q at this position; one-hot when it has none (or when its q
-        // gives its own token no mass, which only a broken drafter does).
-        let q = match draft.probs.as_ref().and_then(|q| q.get(i)) {
-            Some(q) if q.len() == vocab && q.get(d as usize).is_some_and(|&x| x > 0.0) => q.clone(),
-            _ => {
-                let mut one_hot = vec![0.0; vocab];
-                if let Some(x) = one_hot.get_mut(d as usize) {
-                    *x = 1.0;
-                }
-                one_hot
-            }
-        };
-        let (pd, qd) = (
-            f64::from(p[i].get(d as usize).copied().unwrap_or(0.0)),
-            f64::from(q.get(d as usize).copied().unwrap_or(1.0)),
-        );
+        let (p, at) = (&p[i], d as usize);
+        // The drafter's q at this position; one-hot at `d` when it has none (or when its
+        // q gives its own token no mass, which only a broken drafter does).
+        let q = draft
+            .probs
+            .as_ref()
+            .and_then(|q| q.get(i))
+            .filter(|q| q.len() == p.len() && q.get(at).is_some_and(|&x| x > 0.0));
+        let pd = f64::from(p.get(at).copied().unwrap_or(0.0));
+        let qd = q.map_or(1.0, |q| f64::from(q[at]));
         // Accept d with probability min(1, p(d)/q(d)).
         if sampler.uniform() * qd < pd {
             continue;
         }
-        // Rejected: the target's token comes from the residual max(0, p − q).
-        let residual: Vec<f32> = p[i]
-            .iter()
-            .zip(&q)
-            .map(|(&a, &b)| (a - b).max(0.0))
-            .collect();
+        // Rejected: the target's token comes from the residual max(0, p − q); for a
+        // one-hot q that is p without d.
+        let residual: Vec<f32> = match q {
+            Some(q) => p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect(),
+            None => {
+                let mut r = p.clone();
+                if let Some(x) = r.get_mut(at) {
+                    *x = 0.0;
+                }
+                r
+            }
+        };
         let token = if residual.iter().any(|&r| r > 0.0) {
             sampler.sample_from(&residual)
         } else {
-            sampler.sample_from(&p[i])
+            sampler.sample_from(p)
         };
         return Ok((i, token));
     }

@@ -12,85 +12,34 @@ use mlx_rs::{Array, Dtype};
 use dspec_adapters::fixtures::with;
 use dspec_drafters::dflash::{write_random_checkpoint, DFlashDrafter, TINY_DFLASH};
 use dspec_engine::generate::{generate, GenerationConfig, StopReason};
-use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
+use dspec_engine::loading::LoadedModel;
 use dspec_engine::sampling::SamplingParams;
 use dspec_engine::speculative::{generate_speculative, Speculation, SpeculativeOutput};
-use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{
-    detect_drafter_kind, Draft, Drafter, DrafterLoadRequest, DrafterOptions, LoadOptions,
-    ModelError, Picked, TargetModel, TokenPicker,
+    Draft, Drafter, DrafterLoadRequest, DrafterOptions, ModelError, Picked, TargetModel,
+    TokenPicker,
 };
 
-const LLAMA: &str = "{}";
-const QWEN3: &str = r#"{"model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": true}"#;
+mod common;
+use common::{greedy, greedy_config, read_config, tiny_target as load_target};
 
-fn load_target(overrides: &str, seed: u64) -> (tempfile::TempDir, LoadedModel) {
-    let dir = tempfile::tempdir().unwrap();
-    write_tiny_model(dir.path(), overrides, seed).unwrap();
-    let loaded = load_model(
-        dir.path().to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap();
-    (dir, loaded)
-}
-
-fn write_drafter(config_json: &str, seed: u64) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    write_random_checkpoint(dir.path(), config_json, seed).unwrap();
-    dir
-}
-
-fn read_config(dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
-}
-
-/// Loads a drafter checkpoint the way the engine does: detect its kind from
-/// config.json, then the kind's constructor against the target's info.
+/// Loads a DFlash checkpoint through the registry, as the engine does.
 fn load_drafter(
     dir: &Path,
     target: &dyn TargetModel,
     options: &DrafterOptions,
 ) -> ModelResult<Box<dyn Drafter>> {
-    let config = read_config(dir);
-    let kind = detect_drafter_kind(&config)?.expect("config.json is detected as a drafter kind");
-    assert_eq!(kind.kind, "dflash");
-    (kind.load)(&DrafterLoadRequest {
-        dir: Some(dir),
-        config: &config,
-        target: target.info(),
-        options,
-        load_model: &|path| {
-            Err(ModelError::Unsupported(format!(
-                "dflash must not load a model ({})",
-                path.display()
-            )))
-        },
-    })
+    common::load_checkpoint_drafter("dflash", dir, &read_config(dir), target, options)
 }
 
-fn greedy_config(max_tokens: usize, eos_ids: Vec<u32>) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_strings: vec![],
-        eos_ids,
-    }
-}
+const LLAMA: &str = "{}";
+const QWEN3: &str = r#"{"model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": true}"#;
 
-fn greedy(loaded: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        prompt,
-        &greedy_config(n, vec![]),
-        &mut |_| {},
-    )
-    .unwrap()
-    .tokens
+fn write_drafter(config_json: &str, seed: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_random_checkpoint(dir.path(), config_json, seed).unwrap();
+    dir
 }
 
 /// Passes everything to the real drafter and counts what it was asked and gave.

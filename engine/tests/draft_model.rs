@@ -4,21 +4,13 @@
 
 use dspec_engine::drafting::load_drafter;
 use dspec_engine::generate::{generate, GenerationConfig, StopReason};
-use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
-use dspec_engine::sampling::SamplingParams;
+use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{Drafter, DrafterOptions, LoadOptions};
 
-fn load(dir: &std::path::Path) -> LoadedModel {
-    load_model(
-        dir.to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap()
-}
+mod common;
+use common::{greedy_config, load_dir as load};
 
 fn options(bits: Option<i32>) -> DrafterOptions {
     DrafterOptions {
@@ -37,15 +29,6 @@ fn drafter_for(spec: &str, target: &LoadedModel, bits: Option<i32>) -> Box<dyn D
         &options(bits),
     )
     .unwrap_or_else(|e| panic!("loading drafter {spec}: {e}"))
-}
-
-fn config(max_tokens: usize, eos_ids: Vec<u32>) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_strings: Vec::new(),
-        eos_ids,
-    }
 }
 
 fn assert_same_as_greedy(
@@ -107,7 +90,8 @@ fn draft_models_give_exactly_the_greedy_output_on_two_families() {
 
         let mut twin = drafter_for(&format!("model:{}", same.display()), &target, None);
         for (prompt, n) in [("hello there", 30), ("a", 7), ("the quick brown fox", 19)] {
-            let out = assert_same_as_greedy(&target, twin.as_mut(), prompt, &config(n, vec![]), 4);
+            let out =
+                assert_same_as_greedy(&target, twin.as_mut(), prompt, &greedy_config(n, vec![]), 4);
             assert_eq!(
                 out.speculative.accepted_tokens, out.speculative.drafted_tokens,
                 "{overrides}: an identical draft model is always right"
@@ -118,12 +102,24 @@ fn draft_models_give_exactly_the_greedy_output_on_two_families() {
         let mut small = drafter_for(other.to_str().unwrap(), &target, None);
         assert_eq!(small.name(), "draft-model");
         for (prompt, n) in [("hello there", 30), ("zz", 13)] {
-            let out = assert_same_as_greedy(&target, small.as_mut(), prompt, &config(n, vec![]), 3);
+            let out = assert_same_as_greedy(
+                &target,
+                small.as_mut(),
+                prompt,
+                &greedy_config(n, vec![]),
+                3,
+            );
             assert!(out.speculative.drafted_tokens > 0);
         }
         // 8-bit drafter weights change the drafts, never the output.
         let mut q8 = drafter_for(other.to_str().unwrap(), &target, Some(8));
-        assert_same_as_greedy(&target, q8.as_mut(), "quantized", &config(17, vec![]), 5);
+        assert_same_as_greedy(
+            &target,
+            q8.as_mut(),
+            "quantized",
+            &greedy_config(17, vec![]),
+            5,
+        );
     }
 }
 
@@ -140,7 +136,7 @@ fn eos_and_max_tokens_inside_a_draft_model_block_stop_like_plain_decoding() {
         target.model.as_ref(),
         &target.tokenizer,
         &ids,
-        &config(30, vec![]),
+        &greedy_config(30, vec![]),
         &mut |_| {},
     )
     .unwrap()
@@ -151,12 +147,18 @@ fn eos_and_max_tokens_inside_a_draft_model_block_stop_like_plain_decoding() {
         &target,
         twin.as_mut(),
         "stop here",
-        &config(30, vec![eos]),
+        &greedy_config(30, vec![eos]),
         4,
     );
     assert_eq!(out.stats.stop_reason, StopReason::Eos);
     for n in [1, 2, 6, 9] {
-        let out = assert_same_as_greedy(&target, twin.as_mut(), "stop here", &config(n, vec![]), 4);
+        let out = assert_same_as_greedy(
+            &target,
+            twin.as_mut(),
+            "stop here",
+            &greedy_config(n, vec![]),
+            4,
+        );
         assert_eq!(out.tokens.len(), n);
     }
 }

@@ -16,15 +16,13 @@ use mlx_rs::Array;
 use dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES;
 use dspec_drafters::dspark::{write_random_checkpoint, TINY_DSPARK_GEMMA4, TINY_DSPARK_QWEN3};
 use dspec_engine::generate::{generate, GenerationConfig, StopReason};
-use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
-use dspec_engine::sampling::SamplingParams;
+use dspec_engine::loading::LoadedModel;
 use dspec_engine::speculative::{generate_speculative, Speculation, SpeculativeOutput};
-use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{
-    detect_drafter_kind, Drafter, DrafterLoadRequest, DrafterOptions, LoadOptions, ModelError,
-    Picked, TargetModel, TokenPicker,
-};
+use dspec_plugin_api::{Drafter, DrafterOptions, Picked, TargetModel, TokenPicker};
+
+mod common;
+use common::{greedy, greedy_config, read_config, tiny_target};
 
 const VOCAB: usize = 259;
 const MARKOV_RANK: usize = 32;
@@ -54,37 +52,18 @@ impl Family {
 const FAMILIES: [Family; 2] = [Family::Qwen3, Family::Gemma4];
 
 fn target(family: Family, seed: u64) -> (tempfile::TempDir, LoadedModel) {
-    let dir = tempfile::tempdir().unwrap();
-    write_tiny_model(dir.path(), family.target_overrides(), seed).unwrap();
-    let loaded = load_model(
-        dir.path().to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap();
-    (dir, loaded)
+    tiny_target(family.target_overrides(), seed)
 }
 
-fn config(max_tokens: usize, eos_ids: Vec<u32>) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_strings: vec![],
-        eos_ids,
-    }
-}
-
-fn greedy(loaded: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        prompt,
-        &config(n, vec![]),
-        &mut |_| {},
-    )
-    .unwrap()
-    .tokens
+/// Loads a DSpark checkpoint (with `config` in place of its config.json) through the
+/// registry, as the engine does.
+fn load_drafter(
+    dir: &Path,
+    config: &serde_json::Value,
+    model: &dyn TargetModel,
+    options: DrafterOptions,
+) -> ModelResult<Box<dyn Drafter>> {
+    common::load_checkpoint_drafter("dspark", dir, config, model, &options)
 }
 
 /// Rewrites the Markov head so that after token `a` it proposes `b` (by a margin no
@@ -133,31 +112,6 @@ fn drafter_dir(family: Family, seed: u64, truth: Option<&[u32]>) -> tempfile::Te
         teach_transitions(dir.path(), truth);
     }
     dir
-}
-
-/// Loads a drafter the way the engine does: detect the kind from config.json, then load.
-fn load_drafter(
-    dir: &Path,
-    config: &serde_json::Value,
-    model: &dyn TargetModel,
-    options: DrafterOptions,
-) -> ModelResult<Box<dyn Drafter>> {
-    let kind = detect_drafter_kind(config)?.expect("a DSpark config is detected");
-    assert_eq!(kind.kind, "dspark");
-    (kind.load)(&DrafterLoadRequest {
-        dir: Some(dir),
-        config,
-        target: model.info(),
-        options: &DrafterOptions {
-            dtype: Some(model.info().dtype),
-            ..options
-        },
-        load_model: &|_| Err(ModelError::Unsupported("no draft models here".into())),
-    })
-}
-
-fn read_config(dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
 }
 
 fn speculate(
@@ -231,7 +185,7 @@ fn greedy_speculation_equals_plain_greedy_for_both_families_and_precisions() {
 }
 
 fn config_for(n: usize) -> GenerationConfig {
-    config(n, vec![])
+    greedy_config(n, vec![])
 }
 
 /// Whether the last round drafted past where generation stopped (the stop fell inside
@@ -275,7 +229,7 @@ fn eos_and_max_tokens_inside_accepted_blocks_stop_like_plain_decoding() {
                 &loaded,
                 drafter.as_mut(),
                 &prompt,
-                &config(max_tokens, vec![]),
+                &greedy_config(max_tokens, vec![]),
                 4,
                 Some(&mut trace),
             );
@@ -294,7 +248,7 @@ fn eos_and_max_tokens_inside_accepted_blocks_stop_like_plain_decoding() {
                 loaded.model.as_ref(),
                 &loaded.tokenizer,
                 &prompt,
-                &config(40, vec![eos]),
+                &greedy_config(40, vec![eos]),
                 &mut |_| {},
             )
             .unwrap();
@@ -304,7 +258,7 @@ fn eos_and_max_tokens_inside_accepted_blocks_stop_like_plain_decoding() {
                 &loaded,
                 drafter.as_mut(),
                 &prompt,
-                &config(40, vec![eos]),
+                &greedy_config(40, vec![eos]),
                 4,
                 Some(&mut trace),
             );

@@ -6,25 +6,13 @@ use mlx_rs::Array;
 
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::generate::{generate, GenerationConfig, StopReason};
-use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
 use dspec_engine::sampling::SamplingParams;
 use dspec_engine::speculative::{generate_speculative, Speculation};
-use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{Draft, Drafter, LoadOptions, TargetModel, TokenPicker};
+use dspec_plugin_api::{Draft, Drafter, TargetModel, TokenPicker};
 
-fn load(overrides: &str, seed: u64) -> (tempfile::TempDir, LoadedModel) {
-    let dir = tempfile::tempdir().unwrap();
-    write_tiny_model(dir.path(), overrides, seed).unwrap();
-    let loaded = load_model(
-        dir.path().to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap();
-    (dir, loaded)
-}
+mod common;
+use common::{greedy, tiny_target as load};
 
 fn config(max_tokens: usize, eos_ids: Vec<u32>, stop_strings: Vec<String>) -> GenerationConfig {
     GenerationConfig {
@@ -103,18 +91,6 @@ fn spec(drafter: &mut dyn Drafter, max_draft: usize) -> Speculation<'_> {
         max_draft,
         trace: None,
     }
-}
-
-fn greedy(loaded: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        prompt,
-        &config(n, vec![], vec![]),
-        &mut |_| {},
-    )
-    .unwrap()
-    .tokens
 }
 
 #[test]

@@ -14,12 +14,15 @@ use mlx_rs::Array;
 
 use dspec_engine::drafting::load_drafter;
 use dspec_engine::generate::{logits_to_host, GenerationConfig};
-use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
+use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::sampling::{probabilities, SamplingParams};
 use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, DrafterOptions, LoadOptions, TargetModel, TokenPicker};
+
+mod common;
+use common::load_dir as load;
 
 const SAMPLES: usize = 2000;
 
@@ -30,16 +33,6 @@ fn params(seed: u64) -> SamplingParams {
         seed: Some(seed),
         ..SamplingParams::default()
     }
-}
-
-fn load(dir: &std::path::Path) -> LoadedModel {
-    load_model(
-        dir.to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap()
 }
 
 /// The target's processed next-token distribution after `ids` (no cache reuse: exact).

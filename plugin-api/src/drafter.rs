@@ -12,7 +12,7 @@ use std::path::Path;
 use mlx_rs::{Array, Dtype};
 
 use crate::error::{ModelError, Result};
-use crate::target::{ModelInfo, TargetModel};
+use crate::target::{ModelInfo, Quantization, TargetModel};
 
 /// Tokens proposed for one round, with the drafter's distribution over the vocabulary
 /// at each position when it has one (needed for lossless sampling; `None` = one-hot).
@@ -105,6 +105,28 @@ pub struct DrafterOptions {
     pub ngram: usize,
     /// Activation dtype; the engine passes the target's.
     pub dtype: Option<Dtype>,
+}
+
+impl DrafterOptions {
+    /// `--drafter-bits` as a weight quantization: `None` takes the kind's
+    /// `default_bits`, 0 means full precision, 4 and 8 quantize (group size 64; layers
+    /// too narrow for it fall back to 32 on load). Any other value is an error message
+    /// naming the flag.
+    pub fn quantization(
+        &self,
+        default_bits: i32,
+    ) -> std::result::Result<Option<Quantization>, String> {
+        match self.bits.unwrap_or(default_bits) {
+            0 => Ok(None),
+            bits @ (4 | 8) => Ok(Some(Quantization {
+                bits,
+                group_size: 64,
+            })),
+            other => Err(format!(
+                "--drafter-bits {other} is not supported; use 4 or 8, or 0 for full precision"
+            )),
+        }
+    }
 }
 
 /// Loads a model directory through the engine's adapter registry (built-ins and

@@ -6,7 +6,7 @@ use std::path::Path;
 use mlx_rs::{Array, Dtype};
 
 use crate::cache::ModelCache;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
 /// Static facts about a loaded model.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +61,81 @@ pub trait TargetModel: Send {
 
     /// The final norm applied before `lm_head` in `forward`.
     fn final_norm(&self, hidden: &Array) -> Result<Array>;
+}
+
+/// Checks `forward`'s arguments for a model of `num_layers` decoder layers: tokens of
+/// shape `[1, L>0]` and an integer dtype, tap ids in range, a cache made for this model.
+/// Every family's `forward` starts with it, so bad calls fail alike everywhere.
+pub fn check_forward_args(
+    tokens: &Array,
+    cache: &ModelCache,
+    taps: &[usize],
+    num_layers: usize,
+) -> Result<()> {
+    if tokens.ndim() != 2 || tokens.shape()[0] != 1 || tokens.shape()[1] == 0 {
+        return Err(ModelError::Unsupported(format!(
+            "forward expects tokens of shape [1, L>0], got {:?}",
+            tokens.shape()
+        )));
+    }
+    if !matches!(
+        tokens.dtype(),
+        Dtype::Int32 | Dtype::Uint32 | Dtype::Int64 | Dtype::Uint64
+    ) {
+        return Err(ModelError::Unsupported(format!(
+            "token ids must be integers, got {:?}",
+            tokens.dtype()
+        )));
+    }
+    if let Some(&bad) = taps.iter().find(|&&t| t >= num_layers) {
+        return Err(ModelError::Unsupported(format!(
+            "tap layer {bad} out of range: the model has {num_layers} layers"
+        )));
+    }
+    if cache.layers.len() != num_layers {
+        return Err(ModelError::Unsupported(
+            "cache was made for a different model".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Gathers the residual stream at the requested tap layers during a forward pass and
+/// hands them back concatenated in the order asked for (`ForwardOutput::hidden`).
+pub struct TapCollector<'a> {
+    taps: &'a [usize],
+    captured: Vec<Option<Array>>,
+}
+
+impl<'a> TapCollector<'a> {
+    pub fn new(taps: &'a [usize], num_layers: usize) -> Self {
+        Self {
+            taps,
+            captured: vec![None; if taps.is_empty() { 0 } else { num_layers }],
+        }
+    }
+
+    /// Offers layer `layer`'s output; kept only when that layer is tapped.
+    pub fn offer(&mut self, layer: usize, hidden: &Array) {
+        if self.taps.contains(&layer) {
+            if let Some(slot) = self.captured.get_mut(layer) {
+                *slot = Some(hidden.clone());
+            }
+        }
+    }
+
+    /// `[1, L, taps × hidden]`, or `None` when no taps were asked for.
+    pub fn finish(self) -> Result<Option<Array>> {
+        if self.taps.is_empty() {
+            return Ok(None);
+        }
+        let ordered: Vec<&Array> = self
+            .taps
+            .iter()
+            .filter_map(|&t| self.captured.get(t).and_then(Option::as_ref))
+            .collect();
+        Ok(Some(mlx_rs::ops::concatenate(&ordered, -1)?))
+    }
 }
 
 /// Weight quantization, as MLX's affine `quantize` does it.

@@ -10,7 +10,6 @@
 use std::path::Path;
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{nn, Array};
 use serde::Deserialize;
@@ -19,6 +18,7 @@ use dspec_adapters::attention::attention_mask;
 use dspec_adapters::config::{parse_config, CommonConfig};
 use dspec_adapters::layers::{Embedding, Linear, NormWeight, RmsNorm, Rope};
 use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::weights::Weights;
 use dspec_plugin_api::{
     ForwardOutput, KvCache, LoadRequest, ModelCache, ModelInfo, TargetModel, WeightSource,
@@ -235,26 +235,10 @@ impl TargetModel for Phi3 {
         cache: &mut ModelCache,
         taps: &[usize],
     ) -> Result<ForwardOutput> {
-        let shape = tokens.shape();
-        if shape.len() != 2 || shape[0] != 1 || shape[1] == 0 {
-            return Err(ModelError::Unsupported(format!(
-                "forward expects tokens of shape [1, L>0], got {shape:?}"
-            )));
-        }
-        if let Some(&bad) = taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(ModelError::Unsupported(format!(
-                "tap layer {bad} out of range: the model has {} layers",
-                self.layers.len()
-            )));
-        }
-        if cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Unsupported(
-                "cache was made for a different model".into(),
-            ));
-        }
-        let mask = attention_mask(cache.offset() as i32, shape[1], None)?;
+        check_forward_args(tokens, cache, taps, self.layers.len())?;
+        let mask = attention_mask(cache.offset() as i32, tokens.shape()[1], None)?;
         let mut h = self.embed(tokens)?;
-        let mut captured: Vec<Option<Array>> = vec![None; self.layers.len()];
+        let mut tapped = TapCollector::new(taps, self.layers.len());
         for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
         {
             let attn =
@@ -263,17 +247,10 @@ impl TargetModel for Phi3 {
                     .forward(&layer.input_norm.forward(&h)?, layer_cache, mask.as_ref())?;
             let x = h.add(attn)?;
             h = x.add(layer.mlp.forward(&layer.post_attn_norm.forward(&x)?)?)?;
-            if taps.contains(&i) {
-                captured[i] = Some(h.clone());
-            }
+            tapped.offer(i, &h);
         }
         let logits = self.lm_head(&self.final_norm(&h)?)?;
-        let hidden = if taps.is_empty() {
-            None
-        } else {
-            let ordered: Vec<&Array> = taps.iter().filter_map(|&t| captured[t].as_ref()).collect();
-            Some(concatenate(&ordered, -1)?)
-        };
+        let hidden = tapped.finish()?;
         Ok(ForwardOutput { logits, hidden })
     }
 

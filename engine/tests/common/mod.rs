@@ -1,0 +1,91 @@
+//! Helpers shared by the engine's integration tests: tiny targets, plain greedy
+//! references, and loading a drafter checkpoint the way the engine does. Each test
+//! binary includes this with `mod common;` and uses what it needs.
+#![allow(dead_code)]
+
+use std::path::Path;
+
+use dspec_engine::generate::{generate, GenerationConfig};
+use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
+use dspec_engine::sampling::SamplingParams;
+use dspec_engine::tiny_model::write_tiny_model;
+use dspec_plugin_api::error::Result as ModelResult;
+use dspec_plugin_api::{
+    detect_drafter_kind, Drafter, DrafterLoadRequest, DrafterOptions, LoadOptions, ModelError,
+    TargetModel,
+};
+
+/// Loads a model directory through the built-in registry, as `--target` does.
+pub fn load_dir(dir: &Path) -> LoadedModel {
+    load_model(
+        dir.to_str().expect("utf-8 temp path"),
+        &builtin_registry().expect("built-in registry"),
+        &LoadOptions::default(),
+        false,
+    )
+    .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
+}
+
+/// A tiny target (see `write_tiny_model`) written to a temp dir and loaded.
+pub fn tiny_target(overrides: &str, seed: u64) -> (tempfile::TempDir, LoadedModel) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(dir.path(), overrides, seed).expect("write tiny model");
+    let loaded = load_dir(dir.path());
+    (dir, loaded)
+}
+
+pub fn greedy_config(max_tokens: usize, eos_ids: Vec<u32>) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_strings: Vec::new(),
+        eos_ids,
+    }
+}
+
+/// Plain greedy decoding's first `n` tokens: the reference speculation must equal.
+pub fn greedy(loaded: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        prompt,
+        &greedy_config(n, vec![]),
+        &mut |_| {},
+    )
+    .expect("plain greedy generation")
+    .tokens
+}
+
+pub fn read_config(dir: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join("config.json")).expect("read config.json");
+    serde_json::from_str(&text).expect("config.json is JSON")
+}
+
+/// Loads a drafter checkpoint as the engine does: its kind detected from `config`
+/// (asserted to be `kind`), then that kind's constructor against the target, with the
+/// target's dtype. Loading a model from inside is an error: checkpoints never need one.
+pub fn load_checkpoint_drafter(
+    kind: &str,
+    dir: &Path,
+    config: &serde_json::Value,
+    target: &dyn TargetModel,
+    options: &DrafterOptions,
+) -> ModelResult<Box<dyn Drafter>> {
+    let found = detect_drafter_kind(config)?.expect("config.json is detected as a drafter kind");
+    assert_eq!(found.kind, kind);
+    (found.load)(&DrafterLoadRequest {
+        dir: Some(dir),
+        config,
+        target: target.info(),
+        options: &DrafterOptions {
+            dtype: options.dtype.or(Some(target.info().dtype)),
+            ..options.clone()
+        },
+        load_model: &|path| {
+            Err(ModelError::Unsupported(format!(
+                "a {kind} checkpoint must not load a model ({})",
+                path.display()
+            )))
+        },
+    })
+}
