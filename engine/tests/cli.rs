@@ -69,7 +69,7 @@ fn version_reports_dspec_mlx_and_device() {
 }
 
 #[test]
-fn adapters_lists_all_seven_families() {
+fn adapters_lists_every_built_in_family() {
     let out = dspec(&["adapters"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
@@ -81,6 +81,7 @@ fn adapters_lists_all_seven_families() {
         "gemma",
         "gemma2",
         "gemma3_text",
+        "gemma4_text",
     ] {
         assert!(
             text.lines()
@@ -620,7 +621,6 @@ fn adapters_lists_drafter_kinds() {
 #[test]
 fn dflash_checkpoint_drafts_through_the_cli_and_mismatches_are_errors() {
     let model = tiny_model(r#"{"model_type": "qwen3", "head_dim": 16}"#);
-    let m = path_str(model.path());
     let drafter = tempfile::tempdir().expect("temp dir");
     dspec_drafters::dflash::write_random_checkpoint(
         drafter.path(),
@@ -628,21 +628,8 @@ fn dflash_checkpoint_drafts_through_the_cli_and_mismatches_are_errors() {
         5,
     )
     .expect("write dflash checkpoint");
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "generate",
-            "--target",
-            m,
-            "--prompt",
-            "hello world",
-            "--max-tokens",
-            "20",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let out = dspec(&args);
-        assert!(out.status.success(), "{}", stderr(&out));
-        serde_json::from_slice(&out.stdout).expect("json")
+    let run = |extra: &[&str]| {
+        generate_json(model.path(), &[&["--max-tokens", "20"][..], extra].concat())
     };
     let plain = run(&[]);
     let spec = run(&["--drafter", path_str(drafter.path()), "--max-draft", "4"]);
@@ -679,21 +666,8 @@ fn dspark_checkpoint_drafts_through_the_cli_with_its_options() {
     )
     .expect("write dspark checkpoint");
     let d = path_str(drafter.path());
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "generate",
-            "--target",
-            m,
-            "--prompt",
-            "hello world",
-            "--max-tokens",
-            "16",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let out = dspec(&args);
-        assert!(out.status.success(), "{}", stderr(&out));
-        serde_json::from_slice(&out.stdout).expect("json")
+    let run = |extra: &[&str]| {
+        generate_json(model.path(), &[&["--max-tokens", "16"][..], extra].concat())
     };
     let plain = run(&[]);
     for extra in [

@@ -14,7 +14,6 @@ use dspec_drafters::dflash::{write_random_checkpoint, DFlashDrafter, TINY_DFLASH
 use dspec_engine::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::loading::LoadedModel;
 use dspec_engine::sampling::SamplingParams;
-use dspec_engine::speculative::{generate_speculative, Speculation, SpeculativeOutput};
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{
     Draft, Drafter, DrafterLoadRequest, DrafterOptions, ModelError, Picked, TargetModel,
@@ -22,7 +21,7 @@ use dspec_plugin_api::{
 };
 
 mod common;
-use common::{greedy, greedy_config, read_config, tiny_target as load_target};
+use common::{greedy, greedy_config, read_config, speculate, tiny_target as load_target};
 
 /// Loads a DFlash checkpoint through the registry, as the engine does.
 fn load_drafter(
@@ -106,28 +105,6 @@ impl Drafter for Watched {
     }
 }
 
-fn speculate(
-    loaded: &LoadedModel,
-    prompt: &[u32],
-    config: &GenerationConfig,
-    drafter: &mut dyn Drafter,
-    max_draft: usize,
-) -> SpeculativeOutput {
-    generate_speculative(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        prompt,
-        config,
-        Speculation {
-            drafter,
-            max_draft,
-            trace: None,
-        },
-        &mut |_| {},
-    )
-    .unwrap()
-}
-
 const PROMPTS: [&str; 3] = [
     "hello",
     "speculative decoding drafts a block and the target checks it",
@@ -156,10 +133,11 @@ fn dflash_greedy_speculation_equals_plain_greedy_across_families_prompts_and_len
                 let before = drafter.proposals;
                 let out = speculate(
                     &loaded,
+                    &mut drafter,
                     &prompt,
                     &greedy_config(max_tokens, vec![]),
-                    &mut drafter,
                     max_draft,
+                    None,
                 );
                 assert_eq!(
                     out.tokens,
@@ -211,7 +189,7 @@ fn eos_inside_a_drafted_block_stops_like_plain_decoding() {
                 )
                 .unwrap(),
             );
-            let out = speculate(&loaded, &prompt, &config, &mut drafter, 7);
+            let out = speculate(&loaded, &mut drafter, &prompt, &config, 7, None);
             assert_eq!(out.tokens, plain.tokens, "{family} eos at {at}");
             assert_eq!(out.text, plain.text);
             assert_eq!(out.stats.stop_reason, StopReason::Eos);
@@ -251,10 +229,11 @@ fn four_bit_drafter_keeps_greedy_output_exact() {
         let truth = greedy(&loaded, &prompt, 30);
         let out = speculate(
             &loaded,
+            &mut drafter,
             &prompt,
             &greedy_config(30, vec![]),
-            &mut drafter,
             7,
+            None,
         );
         assert_eq!(out.tokens, truth, "{text:?}");
     }
@@ -407,10 +386,11 @@ fn sliding_window_layer_masks_old_context_and_keeps_output_exact() {
         let truth = greedy(&loaded, &prompt, 30);
         let out = speculate(
             &loaded,
+            &mut drafter,
             &prompt,
             &greedy_config(30, vec![]),
-            &mut drafter,
             7,
+            None,
         );
         assert_eq!(out.tokens, truth, "{text:?}");
     }
@@ -440,7 +420,7 @@ fn sampled_drafts_carry_the_pickers_distributions() {
         stop_strings: vec![],
         eos_ids: vec![],
     };
-    let out = speculate(&loaded, &prompt, &config, &mut drafter, 5);
+    let out = speculate(&loaded, &mut drafter, &prompt, &config, 5, None);
     assert_eq!(out.tokens.len(), 20);
     assert!(drafter.non_empty > 0);
     assert_eq!(
@@ -612,10 +592,11 @@ fn accepted_blocks_commit_several_positions_and_stop_inside_the_block() {
     // The whole continuation: many drafts accepted, commits of several positions.
     let out = speculate(
         &loaded,
+        &mut fresh(),
         &prompt,
         &greedy_config(40, vec![]),
-        &mut fresh(),
         7,
+        None,
     );
     assert_eq!(out.tokens, truth);
     assert!(
@@ -628,10 +609,11 @@ fn accepted_blocks_commit_several_positions_and_stop_inside_the_block() {
     for max_tokens in [first + 2, (first + run_end) / 2 + 1, run_end] {
         let out = speculate(
             &loaded,
+            &mut fresh(),
             &prompt,
             &greedy_config(max_tokens, vec![]),
-            &mut fresh(),
             7,
+            None,
         );
         assert_eq!(
             out.tokens,
@@ -652,7 +634,7 @@ fn accepted_blocks_commit_several_positions_and_stop_inside_the_block() {
         &mut |_| {},
     )
     .unwrap();
-    let out = speculate(&loaded, &prompt, &config, &mut fresh(), 7);
+    let out = speculate(&loaded, &mut fresh(), &prompt, &config, 7, None);
     assert_eq!(out.tokens, plain.tokens);
     assert_eq!(out.tokens, truth[..=first].to_vec());
     assert_eq!(out.text, plain.text);

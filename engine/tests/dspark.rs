@@ -17,12 +17,11 @@ use dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES;
 use dspec_drafters::dspark::{write_random_checkpoint, TINY_DSPARK_GEMMA4, TINY_DSPARK_QWEN3};
 use dspec_engine::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::loading::LoadedModel;
-use dspec_engine::speculative::{generate_speculative, Speculation, SpeculativeOutput};
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, DrafterOptions, Picked, TargetModel, TokenPicker};
 
 mod common;
-use common::{greedy, greedy_config, read_config, tiny_target};
+use common::{greedy, greedy_config, read_config, speculate, tiny_target};
 
 const VOCAB: usize = 259;
 const MARKOV_RANK: usize = 32;
@@ -112,29 +111,6 @@ fn drafter_dir(family: Family, seed: u64, truth: Option<&[u32]>) -> tempfile::Te
         teach_transitions(dir.path(), truth);
     }
     dir
-}
-
-fn speculate(
-    loaded: &LoadedModel,
-    drafter: &mut dyn Drafter,
-    prompt: &[u32],
-    cfg: &GenerationConfig,
-    max_draft: usize,
-    trace: Option<&mut Vec<u8>>,
-) -> SpeculativeOutput {
-    generate_speculative(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        prompt,
-        cfg,
-        Speculation {
-            drafter,
-            max_draft,
-            trace: trace.map(|t| t as &mut dyn std::io::Write),
-        },
-        &mut |_| {},
-    )
-    .unwrap()
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::path::Path;
 use dspec_engine::generate::{generate, GenerationConfig};
 use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
 use dspec_engine::sampling::SamplingParams;
+use dspec_engine::speculative::{generate_speculative, Speculation, SpeculativeOutput};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{
@@ -88,4 +89,28 @@ pub fn load_checkpoint_drafter(
             )))
         },
     })
+}
+
+/// Speculative generation that must succeed; `trace` receives `--trace` lines.
+pub fn speculate(
+    loaded: &LoadedModel,
+    drafter: &mut dyn Drafter,
+    prompt: &[u32],
+    config: &GenerationConfig,
+    max_draft: usize,
+    trace: Option<&mut Vec<u8>>,
+) -> SpeculativeOutput {
+    generate_speculative(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        prompt,
+        config,
+        Speculation {
+            drafter,
+            max_draft,
+            trace: trace.map(|t| t as &mut dyn std::io::Write),
+        },
+        &mut |_| {},
+    )
+    .expect("speculative generation")
 }
