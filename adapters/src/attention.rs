@@ -1,7 +1,7 @@
 //! Multi-head attention with grouped KV heads, shared by every family: optional q/k
 //! norms, biases, sliding windows, and score softcapping (which needs the unfused path);
 //! gemma4's values-from-keys and unscaled value norm. Drafters that attend from a block
-//! to a context (DSpark) reuse it through [`Attention::append_context`].
+//! to a context (DFlash, DSpark) reuse it through [`Attention::append_context`].
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::{arange, matmul, select, softmax_axis};

@@ -49,7 +49,7 @@ pub struct DecoderSpec {
 }
 
 /// One decoder block (attention + MLP with the family's norms), as the target runs it
-/// and as drafters built from the same families (DSpark) run it over a draft block.
+/// and as drafters built from the same families (DFlash, DSpark) run it over a draft block.
 pub struct DecoderLayer {
     attn: Attention,
     mlp: GatedMlp,

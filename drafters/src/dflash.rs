@@ -11,13 +11,14 @@
 
 use std::path::Path;
 
-use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::arange;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 
+use dspec_adapters::attention::AttentionSpec;
 use dspec_adapters::config::{parse_config, CommonConfig};
-use dspec_adapters::layers::{Activation, GatedMlp, Linear, NormWeight, RmsNorm, Rope};
+use dspec_adapters::layers::{Linear, NormWeight, RmsNorm};
+use dspec_adapters::transformer::DecoderLayer;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::weights::RandomWeights;
 use dspec_plugin_api::{
@@ -270,149 +271,13 @@ impl DFlashConfig {
     }
 }
 
-/// One draft layer: Qwen3 attention whose keys and values come from the context and
-/// the block alike, then a gated MLP, both pre-normed.
-struct DraftLayer {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
-    mlp: GatedMlp,
-    window: Option<i32>,
-}
-
-/// Head layout and rotary embedding shared by every draft layer.
-struct Heads {
-    heads: i32,
-    kv_heads: i32,
-    head_dim: i32,
-    scale: f32,
-    rope: Rope,
-}
-
-impl Heads {
-    /// `[1, L, n·head_dim] -> [1, n, L, head_dim]`.
-    fn split(&self, x: Array, n: i32) -> Result<Array> {
-        let len = x.shape()[1];
-        Ok(x.reshape(&[1, len, n, self.head_dim])?
-            .transpose_axes(&[0, 2, 1, 3])?)
-    }
-}
-
-impl DraftLayer {
-    fn load(
-        w: &mut dyn WeightSource,
-        prefix: &str,
-        cfg: &DFlashConfig,
-        window: Option<i32>,
-        config_path: &Path,
-    ) -> Result<Self> {
-        let c = &cfg.common;
-        let (h, hd, eps) = (c.hidden_size, c.head_dim(), c.rms_norm_eps);
-        let attn = format!("{prefix}.self_attn");
-        let bias = cfg.attention_bias;
-        let linear = |w: &mut dyn WeightSource, name: &str, i: i32, o: i32| {
-            Linear::load(w, &format!("{attn}.{name}"), i, o, bias)
-        };
-        let norm = |w: &mut dyn WeightSource, name: String, dim: i32| {
-            RmsNorm::load(w, &name, dim, eps, NormWeight::Plain)
-        };
-        Ok(Self {
-            q_proj: linear(w, "q_proj", h, c.num_attention_heads * hd)?,
-            k_proj: linear(w, "k_proj", h, c.kv_heads() * hd)?,
-            v_proj: linear(w, "v_proj", h, c.kv_heads() * hd)?,
-            o_proj: linear(w, "o_proj", c.num_attention_heads * hd, h)?,
-            q_norm: norm(w, format!("{attn}.q_norm.weight"), hd)?,
-            k_norm: norm(w, format!("{attn}.k_norm.weight"), hd)?,
-            input_layernorm: norm(w, format!("{prefix}.input_layernorm.weight"), h)?,
-            post_attention_layernorm: norm(
-                w,
-                format!("{prefix}.post_attention_layernorm.weight"),
-                h,
-            )?,
-            mlp: GatedMlp::load(
-                w,
-                &format!("{prefix}.mlp"),
-                h,
-                c.intermediate_size,
-                false,
-                Activation::from_name(&c.activation_name("silu"), config_path)?,
-            )?,
-            window,
-        })
-    }
-
-    /// Keys (normed, roped from `offset`) and values of `x` (`[1, L, hidden]`).
-    fn keys_values(&self, x: &Array, offset: i32, heads: &Heads) -> Result<(Array, Array)> {
-        let k = self
-            .k_norm
-            .forward(&heads.split(self.k_proj.forward(x)?, heads.kv_heads)?)?;
-        let v = heads.split(self.v_proj.forward(x)?, heads.kv_heads)?;
-        Ok((heads.rope.forward(&k, offset)?, v))
-    }
-
-    /// Runs the block `x` (`[1, B, hidden]`, at positions `context..context+B`) against
-    /// the cached context keys and values plus the block's own.
-    fn forward(&self, x: &Array, cache: &mut KvCache, heads: &Heads) -> Result<Array> {
-        let (block, context) = (x.shape()[1], cache.offset() as i32);
-        let normed = self.input_layernorm.forward(x)?;
-        let q = self
-            .q_norm
-            .forward(&heads.split(self.q_proj.forward(&normed)?, heads.heads)?)?;
-        let q = heads.rope.forward(&q, context)?;
-        let (k, v) = self.keys_values(&normed, context, heads)?;
-        // Borrow the cache's buffer for `[context ; block]`, then forget the block again:
-        // the context cache only ever holds verified positions.
-        let (keys, values) = cache.update_and_fetch(&k, &v)?;
-        cache.trim(block as usize);
-
-        let (keys, values, mask) = match self.window {
-            None => (keys, values, None),
-            Some(window) => {
-                // No query sees context keys `window` or more positions behind it, so at
-                // most the last `window − 1` context positions take part.
-                let start = (context - (window - 1)).max(0);
-                let keys = keys.try_index((.., .., start..))?;
-                let values = values.try_index((.., .., start..))?;
-                let q_pos =
-                    arange::<_, i32>(context, context + block, None)?.reshape(&[block, 1])?;
-                let k_pos = arange::<_, i32>(start, context + block, None)?
-                    .reshape(&[1, context + block - start])?;
-                let in_block = k_pos.ge(Array::from_int(context))?;
-                let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(window))?;
-                (keys, values, Some(in_block.logical_or(&near)?))
-            }
-        };
-        let attended = scaled_dot_product_attention(
-            &q,
-            &keys,
-            &values,
-            heads.scale,
-            mask.as_ref().map(ScaledDotProductAttentionMask::Array),
-            None,
-        )?
-        .transpose_axes(&[0, 2, 1, 3])?
-        .reshape(&[1, block, heads.heads * heads.head_dim])?;
-        let h = x.add(self.o_proj.forward(&attended)?)?;
-        let mlp = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h)?)?;
-        Ok(h.add(mlp)?)
-    }
-}
-
-/// The drafter's weights: `fc`, `hidden_norm`, `layers.N.*`, `norm` (no embedding and no
-/// head: those are the target's).
+/// The drafter's weights: `fc`, `hidden_norm`, `layers.N.*` (Qwen3 decoder layers, as
+/// the adapters run them), `norm` (no embedding and no head: those are the target's).
 struct DraftNet {
     fc: Linear,
     hidden_norm: RmsNorm,
-    layers: Vec<DraftLayer>,
+    layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    heads: Heads,
 }
 
 impl DraftNet {
@@ -435,12 +300,24 @@ impl DraftNet {
             eps,
             NormWeight::Plain,
         )?;
+        // Qwen3 attention: q/k norms, biases as the config says.
+        let attention = AttentionSpec {
+            qkv_bias: cfg.attention_bias,
+            o_bias: cfg.attention_bias,
+            qk_norm: Some((eps, NormWeight::Plain)),
+            ..c.attention(c.global_rope(&config_path)?)
+        };
+        let spec = c.decoder("dflash", &config_path, "silu")?;
         let layers = cfg
             .windows
             .iter()
             .enumerate()
             .map(|(i, &window)| {
-                DraftLayer::load(w, &format!("{prefix}layers.{i}"), cfg, window, &config_path)
+                let attention = AttentionSpec {
+                    sliding_window: window,
+                    ..attention.clone()
+                };
+                DecoderLayer::load(w, &format!("{prefix}layers.{i}"), &spec, &attention)
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(
@@ -450,21 +327,27 @@ impl DraftNet {
             eps,
             NormWeight::Plain,
         )?;
-        let heads = Heads {
-            heads: c.num_attention_heads,
-            kv_heads: c.kv_heads(),
-            head_dim: c.head_dim(),
-            scale: (c.head_dim() as f32).powf(-0.5),
-            rope: c.global_rope(&config_path)?,
-        };
         Ok(Self {
             fc,
             hidden_norm,
             layers,
             norm,
-            heads,
         })
     }
+}
+
+/// Which keys of `[context ; block]` the block's queries see under a sliding window:
+/// every block key (no causal mask inside the block), and context keys fewer than
+/// `window` positions behind the query. `None` without a window: everything.
+fn block_mask(context: i32, block: i32, window: Option<i32>) -> Result<Option<Array>> {
+    let Some(window) = window else {
+        return Ok(None);
+    };
+    let q_pos = arange::<_, i32>(context, context + block, None)?.reshape(&[block, 1])?;
+    let k_pos = arange::<_, i32>(0, context + block, None)?.reshape(&[1, context + block])?;
+    let in_block = k_pos.ge(Array::from_int(context))?;
+    let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(window))?;
+    Ok(Some(in_block.logical_or(&near)?))
 }
 
 /// The DFlash drafter: its weights, and per draft layer the keys and values of every
@@ -570,8 +453,7 @@ impl DFlashDrafter {
             .hidden_norm
             .forward(&net.fc.forward(&self.cast(hidden)?)?)?;
         for (layer, cache) in net.layers.iter().zip(self.caches.iter_mut()) {
-            let (k, v) = layer.keys_values(&context, cache.offset() as i32, &net.heads)?;
-            cache.update_and_fetch(&k, &v)?;
+            layer.attention().append_context(&context, cache)?;
         }
         // Materialise now so each round's graph stays one round long.
         mlx_rs::transforms::eval(self.caches.iter().flat_map(KvCache::state))?;
@@ -620,8 +502,13 @@ impl Drafter for DFlashDrafter {
         let mut ids = vec![self.config.mask_token_id; block];
         ids[0] = last;
         let mut x = self.cast(&target.embed(&Array::from_slice(&ids, &[1, block as i32]))?)?;
-        for (layer, cache) in self.net.layers.iter().zip(self.caches.iter_mut()) {
-            x = layer.forward(&x, cache, &self.net.heads)?;
+        let context = self.context_len() as i32;
+        for (layer, cache) in self.net.layers.iter().zip(&mut self.caches) {
+            let mask = block_mask(context, block as i32, layer.attention().sliding_window())?;
+            x = layer.forward(&x, cache, mask.as_ref())?;
+            // The layer appended the block's keys and values; the context cache only
+            // ever holds verified positions, so they go again (an offset move).
+            cache.trim(block);
         }
         let drafts = x.try_index((.., 1..1 + wanted as i32, ..))?;
         let logits = target.lm_head(&self.net.norm.forward(&drafts)?)?;
