@@ -11,7 +11,6 @@
 
 use std::path::Path;
 
-use mlx_rs::ops::arange;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 
@@ -19,11 +18,13 @@ use dspec_adapters::attention::AttentionSpec;
 use dspec_adapters::config::{parse_config, CommonConfig};
 use dspec_adapters::layers::{Linear, NormWeight, RmsNorm};
 use dspec_adapters::transformer::DecoderLayer;
+
+use crate::context::ContextLayers;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::weights::RandomWeights;
 use dspec_plugin_api::{
-    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, KvCache, LoadOptions,
-    ModelInfo, TargetModel, TokenPicker, WeightSource, Weights,
+    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, LoadOptions, ModelInfo,
+    TargetModel, TokenPicker, WeightSource, Weights,
 };
 
 /// What a DFlash checkpoint's config.json lists under `architectures`.
@@ -272,11 +273,10 @@ impl DFlashConfig {
 }
 
 /// The drafter's weights: `fc`, `hidden_norm`, `layers.N.*` (Qwen3 decoder layers, as
-/// the adapters run them), `norm` (no embedding and no head: those are the target's).
+/// the adapters run them) with their context caches, and `norm` (no embedding and no
+/// head: those are the target's).
 struct DraftNet {
-    fc: Linear,
-    hidden_norm: RmsNorm,
-    layers: Vec<DecoderLayer>,
+    context: ContextLayers,
     norm: RmsNorm,
 }
 
@@ -288,6 +288,7 @@ impl DraftNet {
         cfg: &DFlashConfig,
         prefix: &str,
         dir: &Path,
+        dtype: Option<Dtype>,
     ) -> Result<Self> {
         let c = &cfg.common;
         let config_path = dir.join("config.json");
@@ -328,26 +329,10 @@ impl DraftNet {
             NormWeight::Plain,
         )?;
         Ok(Self {
-            fc,
-            hidden_norm,
-            layers,
+            context: ContextLayers::new(fc, hidden_norm, layers, cfg.fc_inputs(), dtype),
             norm,
         })
     }
-}
-
-/// Which keys of `[context ; block]` the block's queries see under a sliding window:
-/// every block key (no causal mask inside the block), and context keys fewer than
-/// `window` positions behind the query. `None` without a window: everything.
-fn block_mask(context: i32, block: i32, window: Option<i32>) -> Result<Option<Array>> {
-    let Some(window) = window else {
-        return Ok(None);
-    };
-    let q_pos = arange::<_, i32>(context, context + block, None)?.reshape(&[block, 1])?;
-    let k_pos = arange::<_, i32>(0, context + block, None)?.reshape(&[1, context + block])?;
-    let in_block = k_pos.ge(Array::from_int(context))?;
-    let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(window))?;
-    Ok(Some(in_block.logical_or(&near)?))
 }
 
 /// The DFlash drafter: its weights, and per draft layer the keys and values of every
@@ -355,7 +340,6 @@ fn block_mask(context: i32, block: i32, window: Option<i32>) -> Result<Option<Ar
 pub struct DFlashDrafter {
     config: DFlashConfig,
     net: DraftNet,
-    caches: Vec<KvCache>,
     dtype: Option<Dtype>,
 }
 
@@ -385,17 +369,18 @@ impl DFlashDrafter {
         } else {
             ""
         };
-        let net = DraftNet::load(&mut weights, &config, prefix, dir).map_err(|e| match e {
-            // The fc width is the one shape that depends on the target: say so.
-            ModelError::ShapeMismatch { name, actual, .. }
-                if name == format!("{prefix}fc.weight") && actual.len() == 2 =>
-            {
-                request.mismatch(config.fc_width_mismatch(actual[1]))
-            }
-            other => other,
-        })?;
+        let net = DraftNet::load(&mut weights, &config, prefix, dir, options.dtype).map_err(
+            |e| match e {
+                // The fc width is the one shape that depends on the target: say so.
+                ModelError::ShapeMismatch { name, actual, .. }
+                    if name == format!("{prefix}fc.weight") && actual.len() == 2 =>
+                {
+                    request.mismatch(config.fc_width_mismatch(actual[1]))
+                }
+                other => other,
+            },
+        )?;
         Ok(Self {
-            caches: net.layers.iter().map(|_| KvCache::new()).collect(),
             config,
             net,
             dtype: options.dtype,
@@ -409,12 +394,12 @@ impl DFlashDrafter {
 
     /// Context positions cached so far (prompt plus verified tokens).
     pub fn context_len(&self) -> usize {
-        self.caches.first().map_or(0, KvCache::offset)
+        self.net.context.len()
     }
 
     /// `Some(bits)` when the drafter's linear layers are quantized.
     pub fn quantized_bits(&self) -> Option<i32> {
-        self.net.fc.quantized_bits()
+        self.net.context.fc.quantized_bits()
     }
 
     pub fn config(&self) -> &DFlashConfig {
@@ -426,38 +411,6 @@ impl DFlashDrafter {
             Some(d) if d != x.dtype() => Ok(x.as_dtype(d)?),
             _ => Ok(x.clone()),
         }
-    }
-
-    /// Appends target hidden states (`[1, L, taps × hidden]`) to every layer's context.
-    fn extend_context(&mut self, hidden: Option<&Array>, what: &str) -> Result<()> {
-        let hidden = hidden.ok_or_else(|| {
-            ModelError::Unsupported(format!(
-                "dflash: {what} came without the target's hidden states at the tap layers"
-            ))
-        })?;
-        let shape = hidden.shape();
-        if shape.len() != 3 || shape[0] != 1 || shape[2] != self.config.fc_inputs() {
-            return Err(ModelError::Unsupported(format!(
-                "dflash: {what} hidden states have shape {shape:?}, expected [1, L, {}] \
-                 (taps {:?} × hidden {})",
-                self.config.fc_inputs(),
-                self.config.target_layer_ids,
-                self.config.common.hidden_size
-            )));
-        }
-        if shape[1] == 0 {
-            return Ok(());
-        }
-        let net = &self.net;
-        let context = net
-            .hidden_norm
-            .forward(&net.fc.forward(&self.cast(hidden)?)?)?;
-        for (layer, cache) in net.layers.iter().zip(self.caches.iter_mut()) {
-            layer.attention().append_context(&context, cache)?;
-        }
-        // Materialise now so each round's graph stays one round long.
-        mlx_rs::transforms::eval(self.caches.iter().flat_map(KvCache::state))?;
-        Ok(())
     }
 }
 
@@ -476,8 +429,8 @@ impl Drafter for DFlashDrafter {
         _prompt: &[u32],
         hidden: Option<&Array>,
     ) -> Result<()> {
-        self.caches = self.net.layers.iter().map(|_| KvCache::new()).collect();
-        self.extend_context(hidden, "the prompt")
+        self.net.context.reset();
+        self.net.context.extend("dflash", hidden, "the prompt")
     }
 
     fn propose(
@@ -491,7 +444,7 @@ impl Drafter for DFlashDrafter {
         if wanted == 0 {
             return Ok(Draft::default());
         }
-        if self.context_len() == 0 {
+        if self.net.context.is_empty() {
             return Err(ModelError::Unsupported(
                 "dflash: propose called before begin gave it the prompt's hidden states".into(),
             ));
@@ -501,15 +454,8 @@ impl Drafter for DFlashDrafter {
         let block = self.config.block_size;
         let mut ids = vec![self.config.mask_token_id; block];
         ids[0] = last;
-        let mut x = self.cast(&target.embed(&Array::from_slice(&ids, &[1, block as i32]))?)?;
-        let context = self.context_len() as i32;
-        for (layer, cache) in self.net.layers.iter().zip(&mut self.caches) {
-            let mask = block_mask(context, block as i32, layer.attention().sliding_window())?;
-            x = layer.forward(&x, cache, mask.as_ref())?;
-            // The layer appended the block's keys and values; the context cache only
-            // ever holds verified positions, so they go again (an offset move).
-            cache.trim(block);
-        }
+        let x = self.cast(&target.embed(&Array::from_slice(&ids, &[1, block as i32]))?)?;
+        let x = self.net.context.run_block(x)?;
         let drafts = x.try_index((.., 1..1 + wanted as i32, ..))?;
         let logits = target.lm_head(&self.net.norm.forward(&drafts)?)?;
         let vocab = logits.shape().last().copied().unwrap_or(0);
@@ -522,7 +468,9 @@ impl Drafter for DFlashDrafter {
         if verified.is_empty() {
             return Ok(());
         }
-        self.extend_context(hidden, "a verified round")
+        self.net
+            .context
+            .extend("dflash", hidden, "a verified round")
     }
 }
 
@@ -569,7 +517,7 @@ pub fn write_random_checkpoint_with_prefix(
         .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
     let parsed = DFlashConfig::from_json(&config, dir)?;
     let mut weights = RandomWeights::new(seed)?;
-    DraftNet::load(&mut weights, &parsed, prefix, dir)?;
+    DraftNet::load(&mut weights, &parsed, prefix, dir, None)?;
     weights.save(dir, None)?;
     std::fs::write(
         &path,

@@ -23,11 +23,13 @@ use serde_json::Value;
 use dspec_adapters::attention::AttentionSpec;
 use dspec_adapters::layers::{softcap, Activation, Embedding, Linear, NormWeight, RmsNorm, Rope};
 use dspec_adapters::transformer::{DecoderLayer, DecoderSpec, NormLayout};
+
+use crate::context::ContextLayers;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::weights::{RandomWeights, Weights};
 use dspec_plugin_api::{
-    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, KvCache, LoadOptions,
-    TargetModel, TokenPicker, WeightSource,
+    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, LoadOptions, TargetModel,
+    TokenPicker, WeightSource,
 };
 
 /// `--drafter-bits` when the user gives none: the drafter runs every round, and 4-bit
@@ -381,9 +383,8 @@ struct MarkovHead {
 struct DSparkModel {
     embed: Embedding,
     embed_scale: Option<f32>,
-    fc: Linear,
-    hidden_norm: RmsNorm,
-    layers: Vec<DecoderLayer>,
+    /// `fc`, `hidden_norm` and the layers, with their context caches.
+    context: ContextLayers,
     norm: RmsNorm,
     lm_head: Linear,
     softcap: Option<f32>,
@@ -392,7 +393,12 @@ struct DSparkModel {
 }
 
 impl DSparkModel {
-    fn load(cfg: &DSparkConfig, w: &mut dyn WeightSource, config_path: &Path) -> Result<Self> {
+    fn load(
+        cfg: &DSparkConfig,
+        w: &mut dyn WeightSource,
+        config_path: &Path,
+        dtype: Option<Dtype>,
+    ) -> Result<Self> {
         let spec = cfg.decoder_spec(config_path)?;
         let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
         let embed = Embedding::load(w, "embed_tokens", v, h)?;
@@ -425,9 +431,7 @@ impl DSparkModel {
         Ok(Self {
             embed,
             embed_scale: spec.embed_scale,
-            fc,
-            hidden_norm,
-            layers,
+            context: ContextLayers::new(fc, hidden_norm, layers, taps_width, dtype),
             norm,
             lm_head,
             softcap: cfg.final_logit_softcapping,
@@ -441,10 +445,6 @@ impl DSparkModel {
 pub struct DSparkDrafter {
     cfg: DSparkConfig,
     model: DSparkModel,
-    /// One per drafter layer: the context's keys/values, positions `0..committed`.
-    context: Vec<KvCache>,
-    /// Width of the hidden states the target hands over (`taps × target hidden`).
-    tap_width: i32,
     confidence_threshold: Option<f32>,
 }
 
@@ -466,7 +466,7 @@ impl DSparkDrafter {
             quantize,
         };
         let mut weights = Weights::open(dir, &options)?;
-        let model = DSparkModel::load(&cfg, &mut weights, &config_path)?;
+        let model = DSparkModel::load(&cfg, &mut weights, &config_path, options.dtype)?;
         // Tensors nobody asked for mean the config describes another model (e.g. a
         // v_proj the config says k_eq_v has none of): refuse rather than draft wrong.
         let unused: Vec<&str> = weights
@@ -490,10 +490,7 @@ impl DSparkDrafter {
                 "--confidence-threshold needs a confidence head, but this checkpoint has `enable_confidence_head: false`; drop the flag",
             ));
         }
-        let tap_width = (cfg.target_layer_ids.len() * request.target.hidden_size) as i32;
         Ok(Self {
-            context: Vec::new(),
-            tap_width,
             confidence_threshold: threshold,
             model,
             cfg,
@@ -502,33 +499,6 @@ impl DSparkDrafter {
 
     pub fn config(&self) -> &DSparkConfig {
         &self.cfg
-    }
-
-    /// Projects target hidden states of newly committed positions into every layer's
-    /// context cache. Evaluated here so each round's graph stays small.
-    fn extend_context(&mut self, hidden: Option<&Array>, what: &str) -> Result<()> {
-        let hidden = hidden.ok_or_else(|| {
-            ModelError::Unsupported(format!(
-                "dspark needs the target's hidden states for {what}"
-            ))
-        })?;
-        let shape = hidden.shape();
-        if shape.len() != 3 || shape[0] != 1 || shape[2] != self.tap_width {
-            return Err(ModelError::Unsupported(format!(
-                "dspark expected target hidden states [1, L, {}] for {what}, got {shape:?}",
-                self.tap_width
-            )));
-        }
-        let fused = self
-            .model
-            .hidden_norm
-            .forward(&self.model.fc.forward(hidden)?)?;
-        for (layer, cache) in self.model.layers.iter().zip(self.context.iter_mut()) {
-            layer.attention().append_context(&fused, cache)?;
-        }
-        let state: Vec<&Array> = self.context.iter().flat_map(KvCache::state).collect();
-        mlx_rs::transforms::eval(state)?;
-        Ok(())
     }
 
     /// The block after the context: `[last, mask…]` through every layer and the final
@@ -542,19 +512,8 @@ impl DSparkDrafter {
         if let Some(scale) = self.model.embed_scale {
             h = h.multiply(Array::from_f32(scale).as_dtype(h.dtype())?)?;
         }
-        let committed = self.context.first().map_or(0, KvCache::offset);
-        let mut run = || -> Result<Array> {
-            for (layer, cache) in self.model.layers.iter().zip(self.context.iter_mut()) {
-                // No mask: the block sees the whole context and all of itself.
-                h = layer.forward(&h, cache, None)?;
-            }
-            self.model.norm.forward(&h)
-        };
-        let out = run();
-        for cache in &mut self.context {
-            cache.trim(cache.offset() - committed);
-        }
-        out
+        let h = self.model.context.run_block(h)?;
+        self.model.norm.forward(&h)
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
@@ -601,10 +560,8 @@ impl Drafter for DSparkDrafter {
         _prompt: &[u32],
         hidden: Option<&Array>,
     ) -> Result<()> {
-        self.context = (0..self.model.layers.len())
-            .map(|_| KvCache::new())
-            .collect();
-        self.extend_context(hidden, "the prompt")
+        self.model.context.reset();
+        self.model.context.extend("dspark", hidden, "the prompt")
     }
 
     fn propose(
@@ -662,7 +619,9 @@ impl Drafter for DSparkDrafter {
         if verified.is_empty() {
             return Ok(());
         }
-        self.extend_context(hidden, "the verified tokens")
+        self.model
+            .context
+            .extend("dspark", hidden, "the verified tokens")
     }
 }
 
@@ -763,7 +722,7 @@ pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Resu
         source,
     })?;
     let mut weights = RandomWeights::new(seed)?;
-    DSparkModel::load(&cfg, &mut weights, &path)?;
+    DSparkModel::load(&cfg, &mut weights, &path, None)?;
     weights.save(dir, None)?;
     let text = serde_json::to_string_pretty(&config)
         .map_err(|e| ModelError::config(&path, format!("cannot serialise: {e}")))?;

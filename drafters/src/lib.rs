@@ -1,6 +1,8 @@
 //! Drafters propose the tokens the target then verifies in one forward pass.
-//! Each kind lives in its own file and registers itself through `inventory`.
+//! Each kind lives in its own file and registers itself through `inventory`; `context`
+//! holds the target-context injection DFlash and DSpark share.
 
+mod context;
 pub mod dflash;
 pub mod draft_model;
 pub mod dspark;

@@ -1,0 +1,119 @@
+//! The context injection DFlash and DSpark share. The target's tap-layer outputs of
+//! every verified position are fused by `fc` + `hidden_norm` and projected through each
+//! draft layer's own keys and values into a per-layer cache that grows as rounds are
+//! committed; a draft block then runs through the layers against `[context ; block]`
+//! with no causal mask inside the block, and leaves the caches holding the context only.
+
+use mlx_rs::ops::arange;
+use mlx_rs::{Array, Dtype};
+
+use dspec_adapters::layers::{Linear, RmsNorm};
+use dspec_adapters::transformer::DecoderLayer;
+use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::KvCache;
+
+pub struct ContextLayers {
+    pub fc: Linear,
+    pub hidden_norm: RmsNorm,
+    pub layers: Vec<DecoderLayer>,
+    /// One per layer: keys and values of the verified context positions.
+    caches: Vec<KvCache>,
+    /// Width of the hidden states the target hands over (`taps × target hidden`).
+    tap_width: i32,
+    /// Activation dtype the target's hidden states are cast to.
+    dtype: Option<Dtype>,
+}
+
+impl ContextLayers {
+    pub fn new(
+        fc: Linear,
+        hidden_norm: RmsNorm,
+        layers: Vec<DecoderLayer>,
+        tap_width: i32,
+        dtype: Option<Dtype>,
+    ) -> Self {
+        let caches = layers.iter().map(|_| KvCache::new()).collect();
+        Self {
+            fc,
+            hidden_norm,
+            layers,
+            caches,
+            tap_width,
+            dtype,
+        }
+    }
+
+    /// Forgets the context: a new sequence starts.
+    pub fn reset(&mut self) {
+        self.caches = self.layers.iter().map(|_| KvCache::new()).collect();
+    }
+
+    /// Context positions cached so far.
+    pub fn len(&self) -> usize {
+        self.caches.first().map_or(0, KvCache::offset)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends the target's hidden states of newly verified positions
+    /// (`[1, L, taps × hidden]`); `what` names them in errors (`the prompt`, …).
+    pub fn extend(&mut self, kind: &str, hidden: Option<&Array>, what: &str) -> Result<()> {
+        let hidden = hidden.ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "{kind}: {what} came without the target's hidden states at the tap layers"
+            ))
+        })?;
+        let shape = hidden.shape();
+        if shape.len() != 3 || shape[0] != 1 || shape[2] != self.tap_width {
+            return Err(ModelError::Unsupported(format!(
+                "{kind}: {what} hidden states have shape {shape:?}, expected [1, L, {}] (taps × target hidden)",
+                self.tap_width
+            )));
+        }
+        if shape[1] == 0 {
+            return Ok(());
+        }
+        let hidden = match self.dtype {
+            Some(d) if d != hidden.dtype() => hidden.as_dtype(d)?,
+            _ => hidden.clone(),
+        };
+        let fused = self.hidden_norm.forward(&self.fc.forward(&hidden)?)?;
+        for (layer, cache) in self.layers.iter().zip(self.caches.iter_mut()) {
+            layer.attention().append_context(&fused, cache)?;
+        }
+        // Materialise now so each round's graph stays one round long.
+        mlx_rs::transforms::eval(self.caches.iter().flat_map(KvCache::state))?;
+        Ok(())
+    }
+
+    /// Runs the block `x` (`[1, B, hidden]`, at the positions after the context)
+    /// through every layer; the caches hold the context alone again afterwards.
+    pub fn run_block(&mut self, mut x: Array) -> Result<Array> {
+        let (context, block) = (self.len(), x.shape()[1]);
+        for (layer, cache) in self.layers.iter().zip(self.caches.iter_mut()) {
+            let mask = block_mask(context as i32, block, layer.attention().sliding_window());
+            let out = mask.and_then(|mask| layer.forward(&x, cache, mask.as_ref()));
+            // The layer appended the block's keys and values; they go again (an offset
+            // move) even when it failed, so the context never holds unverified positions.
+            cache.trim(cache.offset() - context);
+            x = out?;
+        }
+        Ok(x)
+    }
+}
+
+/// Which keys of `[context ; block]` the block's queries see under a sliding window:
+/// every block key (no causal mask inside the block), and context keys fewer than
+/// `window` positions behind the query. `None` without a window: everything.
+fn block_mask(context: i32, block: i32, window: Option<i32>) -> Result<Option<Array>> {
+    let Some(window) = window else {
+        return Ok(None);
+    };
+    let q_pos = arange::<_, i32>(context, context + block, None)?.reshape(&[block, 1])?;
+    let k_pos = arange::<_, i32>(0, context + block, None)?.reshape(&[1, context + block])?;
+    let in_block = k_pos.ge(Array::from_int(context))?;
+    let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(window))?;
+    Ok(Some(in_block.logical_or(&near)?))
+}
