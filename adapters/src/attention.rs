@@ -4,13 +4,15 @@
 //! to a context (DFlash, DSpark) reuse it through [`Attention::append_context`].
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::{arange, matmul, select, softmax_axis};
+use mlx_rs::ops::{arange, concatenate, matmul, select, softmax_axis};
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{KvCache, WeightSource};
 
-use crate::layers::{rms_norm_unscaled, softcap, Linear, NormWeight, RmsNorm, Rope};
+use crate::layers::{
+    is_row_layout, rms_norm_unscaled, seq_slice, softcap, Linear, NormWeight, RmsNorm, Rope,
+};
 
 /// Shape and options of one attention layer.
 #[derive(Clone)]
@@ -137,8 +139,14 @@ impl Attention {
         self.q.quantized_bits()
     }
 
-    /// `[B, L, n·head_dim] -> [B, n, L, head_dim]`.
+    /// `[B, L, n·head_dim] -> [B, n, L, head_dim]`; the row layout `[R, 1, ..]` becomes
+    /// the one sequence `[1, n, R, head_dim]` it stands for.
     fn split_heads(&self, y: Array, n: i32) -> Result<Array> {
+        let y = if is_row_layout(&y) {
+            y.reshape(&[1, y.shape()[0], y.shape()[2]])?
+        } else {
+            y
+        };
         let (b, len) = (y.shape()[0], y.shape()[1]);
         Ok(y.reshape(&[b, len, n, self.spec.head_dim])?
             .transpose_axes(&[0, 2, 1, 3])?)
@@ -172,9 +180,14 @@ impl Attention {
 
     /// `x`: `[1, L, hidden]`; `mask` from [`attention_mask`] for this layer's window
     /// (`None`: every cached key and every position of `x` is visible).
+    ///
+    /// In the row layout (`[R, 1, hidden]`, see [`is_row_layout`]) `mask` is unused:
+    /// each position attends on its own, exactly as a one-token decode step at that
+    /// position would, window included. That also keeps MLX's CUDA attention on its
+    /// one-query kernel instead of a cuDNN plan built for every new key length.
     pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: Option<&Array>) -> Result<Array> {
         let s = &self.spec;
-        let (b, len) = (x.shape()[0], x.shape()[1]);
+        let rows = is_row_layout(x);
         let offset = cache.offset() as i32;
         let mut q = self.split_heads(self.q.forward(x)?, s.heads)?;
         if let Some(qn) = &self.q_norm {
@@ -183,18 +196,42 @@ impl Attention {
         let q = s.rope.forward(&q, offset)?;
         let (k, v) = self.keys_values(x, offset)?;
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
+        let len = q.shape()[2];
 
-        let out = match s.softcap {
-            None => {
-                let mask = mask.map(ScaledDotProductAttentionMask::Array);
-                scaled_dot_product_attention(&q, &keys, &values, s.scale, mask, None)?
+        let out = if rows {
+            let mut outs = Vec::with_capacity(len as usize);
+            for r in 0..len {
+                let visible = offset + r + 1;
+                let row_mask = attention_mask(offset + r, 1, s.sliding_window)?;
+                outs.push(self.attend(
+                    &seq_slice(&q, r, r + 1)?,
+                    &seq_slice(&keys, 0, visible)?,
+                    &seq_slice(&values, 0, visible)?,
+                    row_mask.as_ref(),
+                )?);
             }
-            Some(cap) => self.softcapped_attention(&q, &keys, &values, mask, cap)?,
+            concatenate(&outs, 2)?
+        } else {
+            self.attend(&q, &keys, &values, mask)?
         };
+        // Back to the caller's layout: `[1, L, ..]`, or `[R, 1, ..]` for rows.
+        let (b, l) = if rows { (len, 1) } else { (x.shape()[0], len) };
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, len, s.heads * s.head_dim])?;
+            .reshape(&[b, l, s.heads * s.head_dim])?;
         self.o.forward(&out)
+    }
+
+    /// Attention of `q` (`[1, heads, L, D]`) over `keys`/`values`.
+    fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: Option<&Array>) -> Result<Array> {
+        let s = &self.spec;
+        match s.softcap {
+            None => {
+                let mask = mask.map(ScaledDotProductAttentionMask::Array);
+                Ok(scaled_dot_product_attention(q, keys, values, s.scale, mask, None)?)
+            }
+            Some(cap) => self.softcapped_attention(q, keys, values, mask, cap),
+        }
     }
 
     /// Explicit attention for score softcapping, which the fused kernel cannot do.

@@ -102,8 +102,13 @@ pub fn check_family(config_json: &str) {
         bits: 4,
         group_size: 32,
     };
-    let cases: [(&str, Option<Quantization>, LoadOptions); 3] = [
+    let rowwise = LoadOptions {
+        rowwise_verify: true,
+        ..LoadOptions::default()
+    };
+    let cases: [(&str, Option<Quantization>, LoadOptions); 4] = [
         ("f32 checkpoint", None, LoadOptions::default()),
+        ("f32 checkpoint, rowwise verify", None, rowwise),
         ("4-bit MLX checkpoint", Some(q4), LoadOptions::default()),
         (
             "f32 checkpoint quantized on load (8-bit)",
@@ -114,6 +119,7 @@ pub fn check_family(config_json: &str) {
                     bits: 8,
                     group_size: 32,
                 }),
+                ..LoadOptions::default()
             },
         ),
     ];

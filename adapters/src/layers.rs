@@ -2,7 +2,7 @@
 //! MLX-quantized), RMSNorm, rotary embeddings with the HF scaling variants, gated MLPs.
 
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::{dequantize, matmul, quantize, quantized_matmul};
+use mlx_rs::ops::{broadcast_to, concatenate, dequantize, matmul, quantize, quantized_matmul};
 use mlx_rs::{fast, nn, Array};
 
 use dspec_plugin_api::error::{ModelError, Result};
@@ -121,6 +121,33 @@ enum LinearWeight {
     Quantized(Quantized),
 }
 
+/// Whether `x` is in the row layout: `[R, 1, ..]` with R > 1, i.e. R consecutive
+/// positions of one sequence laid out as R one-token batches. Models run it for short
+/// continuations (speculative verify) so that each position is computed by exactly the
+/// kernels a one-token decode step uses: on CUDA a matrix-vector product and a
+/// matrix-matrix product round bf16 differently, and greedy speculative output would
+/// drift from plain decoding at near-ties.
+pub fn is_row_layout(x: &Array) -> bool {
+    let shape = x.shape();
+    shape.len() == 3 && shape[0] > 1 && shape[1] == 1
+}
+
+/// `x · w_t` for a dense `w_t` (`[in, out]`). In the row layout the product is issued as
+/// R batched vector-matrix products, each exactly the one-token call: the weight is
+/// broadcast over the batch, and `x` is viewed with a batch stride of two rows (a slice
+/// of `x` doubled) — with a dense batch stride MLX's CUDA backend would fold the batch
+/// into one matrix-matrix product, which is what rounds differently.
+fn dense_matmul(x: &Array, w_t: &Array) -> Result<Array> {
+    if !is_row_layout(x) {
+        return Ok(matmul(x, w_t)?);
+    }
+    let (rows, k) = (x.shape()[0], x.shape()[2]);
+    let n = w_t.shape()[1];
+    let spaced = concatenate(&[x, x], 1)?.try_index((.., 0..1, ..))?;
+    let w = broadcast_to(w_t, &[rows, k, n])?;
+    Ok(matmul(&spaced, &w)?)
+}
+
 /// `y = x Wᵀ + b`.
 pub struct Linear {
     weight: LinearWeight,
@@ -155,9 +182,11 @@ impl Linear {
         Ok(Self { weight, bias })
     }
 
+    /// `x`: `[B, L, in]`; in the row layout (`[R, 1, in]`, see [`is_row_layout`]) every
+    /// row goes through the one-token kernel.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
-            LinearWeight::Dense { weight_t } => matmul(x, weight_t)?,
+            LinearWeight::Dense { weight_t } => dense_matmul(x, weight_t)?,
             LinearWeight::Quantized(q) => q.matmul_t(x)?,
         };
         match &self.bias {
@@ -210,7 +239,7 @@ impl Embedding {
     /// `x Eᵀ`: logits through the embedding table (tied heads).
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.table {
-            Err(dense) => Ok(matmul(x, dense.t())?),
+            Err(dense) => dense_matmul(x, &dense.t()),
             Ok(q) => q.matmul_t(x),
         }
     }

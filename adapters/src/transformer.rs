@@ -159,7 +159,13 @@ pub struct Decoder {
     /// `None`: tied to the embedding.
     lm_head: Option<Linear>,
     final_logit_softcap: Option<f32>,
+    /// Run short continuations position by position (`LoadOptions::rowwise_verify`).
+    rowwise_verify: bool,
 }
+
+/// Longest continuation run in the row layout; longer ones (a second chat turn, say)
+/// take the batched path, whose per-token cost is far lower.
+pub const MAX_ROWWISE_TOKENS: i32 = 32;
 
 impl Decoder {
     pub fn load(spec: DecoderSpec, w: &mut dyn WeightSource) -> Result<Self> {
@@ -209,6 +215,7 @@ impl Decoder {
             norm,
             lm_head,
             final_logit_softcap: spec.final_logit_softcap,
+            rowwise_verify: w.options().rowwise_verify,
         })
     }
 }
@@ -231,23 +238,40 @@ impl TargetModel for Decoder {
         check_forward_args(tokens, cache, taps, self.layers.len())?;
         let len = tokens.shape()[1];
         let offset = cache.offset() as i32;
+        let hidden_size = self.info.hidden_size as i32;
+        // A short continuation of a cached sequence (a speculative verify) runs in the
+        // row layout, each position through the one-token kernels: see `is_row_layout`.
+        let rows = self.rowwise_verify && offset > 0 && len > 1 && len <= MAX_ROWWISE_TOKENS;
+        let as_sequence = |x: &Array| -> Result<Array> {
+            if rows {
+                Ok(x.reshape(&[1, len, x.shape()[2]])?)
+            } else {
+                Ok(x.clone())
+            }
+        };
         // One mask per distinct window, shared by the layers that use it.
         let mut masks: HashMap<Option<i32>, Option<Array>> = HashMap::new();
         let mut h = self.embed(tokens)?;
+        if rows {
+            h = h.reshape(&[len, 1, hidden_size])?;
+        }
         let mut tapped = TapCollector::new(taps, self.layers.len());
         for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
         {
             let window = layer.attn.sliding_window();
             let mask = match masks.entry(window) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) if rows => e.insert(None),
                 std::collections::hash_map::Entry::Vacant(e) => {
                     e.insert(attention_mask(offset, len, window)?)
                 }
             };
             h = layer.forward(&h, layer_cache, mask.as_ref())?;
-            tapped.offer(i, &h);
+            if taps.contains(&i) {
+                tapped.offer(i, &as_sequence(&h)?);
+            }
         }
-        let logits = self.lm_head(&self.final_norm(&h)?)?;
+        let logits = as_sequence(&self.lm_head(&self.final_norm(&h)?)?)?;
         let hidden = tapped.finish()?;
         Ok(ForwardOutput { logits, hidden })
     }
@@ -273,5 +297,77 @@ impl TargetModel for Decoder {
 
     fn final_norm(&self, hidden: &Array) -> Result<Array> {
         self.norm.forward(hidden)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::{Array, Dtype};
+
+    use dspec_plugin_api::{LoadOptions, TargetModel};
+
+    use crate::fixtures::{load_dir, with, write_random_model, TINY_LLAMA};
+
+    /// Logits of `tokens[prefix..]` after a `prefix`-token prefill, run either one token
+    /// at a time (plain decoding) or as one continuation (a speculative verify).
+    fn continuation_logits(
+        model: &dyn TargetModel,
+        tokens: &[u32],
+        prefix: usize,
+        one_at_a_time: bool,
+    ) -> Vec<f32> {
+        let ids = |t: &[u32]| Array::from_slice(t, &[1, t.len() as i32]);
+        let mut cache = model.new_cache();
+        model.forward(&ids(&tokens[..prefix]), &mut cache, &[]).expect("prefill");
+        let chunks: Vec<&[u32]> = if one_at_a_time {
+            tokens[prefix..].chunks(1).collect()
+        } else {
+            vec![&tokens[prefix..]]
+        };
+        let mut out = Vec::new();
+        for chunk in chunks {
+            let logits = model
+                .forward(&ids(chunk), &mut cache, &[])
+                .expect("forward")
+                .logits
+                .as_dtype(Dtype::Float32)
+                .expect("cast");
+            out.extend_from_slice(logits.as_slice::<f32>());
+        }
+        out
+    }
+
+    /// The row layout's promise: a verify's logits are bitwise those of decoding the same
+    /// tokens one by one — for plain attention, and for windows plus score softcapping.
+    #[test]
+    fn rowwise_verify_is_bitwise_one_token_decoding() {
+        let gemma2 = with(
+            TINY_LLAMA,
+            r#"{"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 5,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                "hidden_activation": "gelu_pytorch_tanh"}"#,
+        );
+        let tokens: Vec<u32> = (0..14).map(|i| (i * 31 + 5) % 97).collect();
+        for (name, config) in [("llama", TINY_LLAMA.to_string()), ("gemma2", gemma2)] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            write_random_model(dir.path(), &config, 3, None).expect("fixture");
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                let options = LoadOptions {
+                    dtype: Some(dtype),
+                    rowwise_verify: true,
+                    ..LoadOptions::default()
+                };
+                let model = load_dir(dir.path(), &options).expect("load");
+                let decoded = continuation_logits(model.as_ref(), &tokens, 6, true);
+                let verified = continuation_logits(model.as_ref(), &tokens, 6, false);
+                assert_eq!(decoded.len(), 8 * 97);
+                let differing = decoded
+                    .iter()
+                    .zip(&verified)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(differing, 0, "{name} {dtype:?}: {differing} logits differ");
+            }
+        }
     }
 }

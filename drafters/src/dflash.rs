@@ -362,6 +362,7 @@ impl DFlashDrafter {
                 .options
                 .quantization(0)
                 .map_err(|m| request.mismatch(m))?,
+            ..LoadOptions::default()
         };
         let mut weights = Weights::open(dir, &options)?;
         let prefix = if weights.contains("model.fc.weight") {

@@ -464,6 +464,7 @@ impl DSparkDrafter {
         let options = LoadOptions {
             dtype: request.options.dtype,
             quantize,
+            ..LoadOptions::default()
         };
         let mut weights = Weights::open(dir, &options)?;
         let model = DSparkModel::load(&cfg, &mut weights, &config_path, options.dtype)?;

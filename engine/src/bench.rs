@@ -65,6 +65,11 @@ pub fn read_prompts(path: &std::path::Path) -> Result<Vec<String>, EngineError> 
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRow {
     pub prompt_tokens: usize,
+    /// The prompt as token ids (after the chat template), so another engine can be
+    /// run on exactly the same input.
+    pub prompt_ids: Vec<u32>,
+    /// Plain greedy decoding's output ids.
+    pub tokens: Vec<u32>,
     pub plain: GenerationStats,
     pub speculative: GenerationStats,
     pub drafting: SpeculativeStats,
@@ -140,6 +145,8 @@ pub fn run_bench(
             });
         rows.push(BenchRow {
             prompt_tokens: prompt.len(),
+            prompt_ids: prompt.clone(),
+            tokens: plain.tokens.clone(),
             speedup: spec.stats.decode_tokens_per_second
                 / plain.stats.decode_tokens_per_second.max(1e-9),
             identical: first_difference.is_none(),

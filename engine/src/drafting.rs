@@ -51,6 +51,7 @@ pub fn load_drafter(
     let draft_model_options = LoadOptions {
         dtype: target_options.dtype.or(Some(target.model.info().dtype)),
         quantize: options.quantization(0).map_err(EngineError::Invalid)?,
+        rowwise_verify: target_options.rowwise_verify,
     };
     let load_model = |dir: &Path| -> Result<Box<dyn TargetModel>, ModelError> {
         let found = registry.detect(dir)?;

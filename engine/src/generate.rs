@@ -155,6 +155,23 @@ impl Picker {
     }
 }
 
+/// Builds and queues the forward that follows `token` (`[1, 1]`, possibly still lazy);
+/// returns the picked next token, being computed.
+fn queue_step(
+    model: &dyn TargetModel,
+    cache: &mut ModelCache,
+    token: &Array,
+    picker: &mut Picker,
+) -> Result<Array, EngineError> {
+    let logits = model
+        .forward(token, cache, &[])?
+        .logits
+        .try_index((.., -1, ..))?;
+    let picked = picker.pick(&logits)?;
+    async_eval([&picked])?;
+    Ok(picked)
+}
+
 fn token_value(token: &Array) -> Result<u32, EngineError> {
     token
         .try_item_cast::<u32>()
@@ -245,7 +262,12 @@ pub fn generate(
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 
+    // Greedy decoding keeps two steps in flight: the graph of step n+2 is built and
+    // queued from step n+1's still-lazy token before the host waits for step n+1, so
+    // the device never idles while the host builds graphs or detokenizes. (A step
+    // queued past an EOS or a stop string is computed and dropped.)
     let mut current_id = first_id;
+    let mut queued: Option<Array> = None;
     let stop_reason = loop {
         tokens.push(current_id);
         if config.eos_ids.contains(&current_id) {
@@ -253,30 +275,31 @@ pub fn generate(
         }
         let done_by_count = tokens.len() >= config.max_tokens;
         let done_by_context = prompt.len() + tokens.len() >= context_limit;
-        // Queue the next forward before reading text, so the device works while the
-        // host detokenizes (greedy decoding never waits on the host otherwise).
-        let queued = if done_by_count || done_by_context {
-            None
-        } else {
-            let logits = model
-                .forward(&next, &mut cache, &[])?
-                .logits
-                .try_index((.., -1, ..))?;
-            let token = picker.pick(&logits)?;
-            async_eval([&token])?;
-            Some(token)
+        if done_by_count || done_by_context {
+            if sink.push(current_id)? {
+                break StopReason::StopString;
+            }
+            break if done_by_count {
+                StopReason::MaxTokens
+            } else {
+                StopReason::ContextLength
+            };
+        }
+        let step = match queued.take() {
+            Some(token) => token,
+            None => queue_step(model, &mut cache, &next, &mut picker)?,
         };
+        // Room for one more after `step`: queue it before waiting on `step`.
+        let room = tokens.len() + 1 < config.max_tokens
+            && prompt.len() + tokens.len() + 1 < context_limit;
+        if room && matches!(picker, Picker::Greedy) {
+            queued = Some(queue_step(model, &mut cache, &step, &mut picker)?);
+        }
         if sink.push(current_id)? {
             break StopReason::StopString;
         }
-        match queued {
-            Some(token) => {
-                current_id = token_value(&token)?;
-                next = token;
-            }
-            None if done_by_count => break StopReason::MaxTokens,
-            None => break StopReason::ContextLength,
-        }
+        current_id = token_value(&step)?;
+        next = step;
     };
     sink.finish(stop_reason == StopReason::StopString)?;
     let stats = GenerationStats::new(

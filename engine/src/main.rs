@@ -98,6 +98,13 @@ struct ConvertArgs {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum VerifyArg {
+    Auto,
+    Rowwise,
+    Batched,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum DtypeArg {
     /// f32 on the CPU backend, the checkpoint's dtype on a GPU.
     Auto,
@@ -117,6 +124,12 @@ struct ModelArgs {
     /// Quantize the weights on load to this many bits (MLX affine, group size 64).
     #[arg(long, value_parser = ["4", "8"])]
     quantize: Option<String>,
+    /// How a speculative verify runs the target: `rowwise` computes each position with
+    /// the one-token decode kernels (bitwise-equal to plain decoding where batched
+    /// kernels round differently, as CUDA bf16 does), `batched` in one matrix product
+    /// per layer. `auto`: rowwise on a GPU, batched on the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    verify: VerifyArg,
 }
 
 impl ModelArgs {
@@ -134,7 +147,16 @@ impl ModelArgs {
                 group_size: 64,
             }),
         };
-        Ok(LoadOptions { dtype, quantize })
+        let rowwise_verify = match self.verify {
+            VerifyArg::Auto => backend != Backend::Cpu,
+            VerifyArg::Rowwise => true,
+            VerifyArg::Batched => false,
+        };
+        Ok(LoadOptions {
+            dtype,
+            quantize,
+            rowwise_verify,
+        })
     }
 }
 

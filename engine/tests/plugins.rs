@@ -195,6 +195,7 @@ fn plugin_model_passes_the_conformance_checker_across_the_abi() {
             bits: 8,
             group_size: 32,
         }),
+        ..LoadOptions::default()
     };
     let q = load(dir.path(), &registry, &quantized);
     assert_eq!(q.model.info().quantized_bits, Some(8));

@@ -19,6 +19,7 @@ fn main() -> anyhow::Result<()> {
     let options = LoadOptions {
         dtype: Backend::detect().auto_dtype(),
         quantize: None,
+        rowwise_verify: false,
     };
     let loaded = load_model(&dir, &builtin_registry()?, &options, false)?;
     let ids = loaded.tokenizer.encode_prompt(&prompt, false)?;

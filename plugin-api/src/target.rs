@@ -152,6 +152,11 @@ pub struct LoadOptions {
     pub dtype: Option<Dtype>,
     /// Quantize unquantized linear/embedding weights on load.
     pub quantize: Option<Quantization>,
+    /// Run short continuations of a cached sequence (speculative verify) position by
+    /// position through the same kernels as one-token decoding, so that their logits are
+    /// bitwise those of plain decoding even where batched kernels round differently
+    /// (CUDA, bf16). Costs weight reads per position, cheap on a GPU and dear on a CPU.
+    pub rowwise_verify: bool,
 }
 
 /// Everything an adapter constructor gets.

@@ -130,7 +130,11 @@ fn load_options(options: &LoadOptionsC) -> std::result::Result<LoadOptions, Stri
         bits: options.quantize_bits,
         group_size: options.quantize_group_size,
     });
-    Ok(LoadOptions { dtype, quantize })
+    Ok(LoadOptions {
+        dtype,
+        quantize,
+        ..LoadOptions::default()
+    })
 }
 
 unsafe extern "C" fn load<E: PluginExport>(
