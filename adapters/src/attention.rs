@@ -11,7 +11,8 @@ use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{KvCache, WeightSource};
 
 use crate::layers::{
-    is_row_layout, rms_norm_unscaled, seq_slice, softcap, Linear, NormWeight, RmsNorm, Rope,
+    is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight,
+    RmsNorm, Rope,
 };
 
 /// Shape and options of one attention layer.
@@ -38,12 +39,22 @@ pub struct AttentionSpec {
     pub v_norm: Option<f32>,
 }
 
+/// The q, k and v projections of one layer.
+enum Projections {
+    Separate {
+        q: Linear,
+        k: Linear,
+        /// `None` when values come from the key projection (`k_eq_v`).
+        v: Option<Linear>,
+    },
+    /// Dense layers fused into one product whose output holds q, k (and v) side by
+    /// side, in these sizes.
+    Fused { qkv: Linear, sizes: Vec<i32> },
+}
+
 pub struct Attention {
     spec: AttentionSpec,
-    q: Linear,
-    k: Linear,
-    /// `None` when values come from the key projection (`k_eq_v`).
-    v: Option<Linear>,
+    projections: Projections,
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -120,15 +131,41 @@ impl Attention {
             ),
             None => (None, None),
         };
+        let (q_size, kv_size) = (spec.heads * hd, spec.kv_heads * hd);
+        let mut parts = vec![&q, &k];
+        parts.extend(v.as_ref());
+        let projections = match Linear::fuse(&parts)? {
+            Some(qkv) => Projections::Fused {
+                qkv,
+                sizes: [q_size, kv_size, kv_size][..parts.len()].to_vec(),
+            },
+            None => Projections::Separate { q, k, v },
+        };
         Ok(Self {
             spec,
-            q,
-            k,
-            v,
+            projections,
             o,
             q_norm,
             k_norm,
         })
+    }
+
+    /// Raw (unnormed, unrotated) q, k and v of `x`; v is `None` under `k_eq_v`.
+    fn project(&self, x: &Array) -> Result<(Array, Array, Option<Array>)> {
+        match &self.projections {
+            Projections::Separate { q, k, v } => Ok((
+                q.forward(x)?,
+                k.forward(x)?,
+                v.as_ref().map(|v| v.forward(x)).transpose()?,
+            )),
+            Projections::Fused { qkv, sizes } => {
+                let mut parts = split_last(&qkv.forward(x)?, sizes)?.into_iter();
+                let (Some(q), Some(k)) = (parts.next(), parts.next()) else {
+                    unreachable!("a fused projection has at least q and k");
+                };
+                Ok((q, k, parts.next()))
+            }
+        }
     }
 
     pub fn sliding_window(&self) -> Option<i32> {
@@ -136,7 +173,10 @@ impl Attention {
     }
 
     pub fn quantized_bits(&self) -> Option<i32> {
-        self.q.quantized_bits()
+        match &self.projections {
+            Projections::Separate { q, .. } => q.quantized_bits(),
+            Projections::Fused { qkv, .. } => qkv.quantized_bits(),
+        }
     }
 
     /// `[B, L, n·head_dim] -> [B, n, L, head_dim]`; the row layout `[R, 1, ..]` becomes
@@ -152,12 +192,13 @@ impl Attention {
             .transpose_axes(&[0, 2, 1, 3])?)
     }
 
-    /// Normed and rotated keys, and values, of `x` at positions `offset..`.
-    fn keys_values(&self, x: &Array, offset: i32) -> Result<(Array, Array)> {
+    /// Normed and rotated keys, and values, at positions `offset..` from the raw
+    /// projections.
+    fn keys_values(&self, raw_k: Array, raw_v: Option<Array>, offset: i32) -> Result<(Array, Array)> {
         let s = &self.spec;
-        let raw_k = self.split_heads(self.k.forward(x)?, s.kv_heads)?;
-        let mut v = match &self.v {
-            Some(v) => self.split_heads(v.forward(x)?, s.kv_heads)?,
+        let raw_k = self.split_heads(raw_k, s.kv_heads)?;
+        let mut v = match raw_v {
+            Some(v) => self.split_heads(v, s.kv_heads)?,
             None => raw_k.clone(),
         };
         if let Some(eps) = s.v_norm {
@@ -173,7 +214,8 @@ impl Attention {
     /// Appends the keys and values of `x` (`[1, L, hidden]`, positions after what the
     /// cache holds) without attending: how a drafter caches its target context.
     pub fn append_context(&self, x: &Array, cache: &mut KvCache) -> Result<()> {
-        let (k, v) = self.keys_values(x, cache.offset() as i32)?;
+        let (_, raw_k, raw_v) = self.project(x)?;
+        let (k, v) = self.keys_values(raw_k, raw_v, cache.offset() as i32)?;
         cache.update_and_fetch(&k, &v)?;
         Ok(())
     }
@@ -189,12 +231,13 @@ impl Attention {
         let s = &self.spec;
         let rows = is_row_layout(x);
         let offset = cache.offset() as i32;
-        let mut q = self.split_heads(self.q.forward(x)?, s.heads)?;
+        let (raw_q, raw_k, raw_v) = self.project(x)?;
+        let mut q = self.split_heads(raw_q, s.heads)?;
         if let Some(qn) = &self.q_norm {
             q = qn.forward(&q)?;
         }
         let q = s.rope.forward(&q, offset)?;
-        let (k, v) = self.keys_values(x, offset)?;
+        let (k, v) = self.keys_values(raw_k, raw_v, offset)?;
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
         let len = q.shape()[2];
 

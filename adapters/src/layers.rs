@@ -3,6 +3,7 @@
 
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{broadcast_to, concatenate, dequantize, matmul, quantize, quantized_matmul};
+use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, Array};
 
 use dspec_plugin_api::error::{ModelError, Result};
@@ -201,6 +202,47 @@ impl Linear {
             LinearWeight::Dense { .. } => None,
         }
     }
+
+    /// One layer computing `parts`' outputs side by side, when all are dense with the
+    /// same bias layout; `None` leaves them apart. Fusing projections that read the same
+    /// input (q/k/v, gate/up) saves kernel launches per token, which is what decoding
+    /// costs on a GPU. Each output element is the same dot product as before.
+    pub fn fuse(parts: &[&Linear]) -> Result<Option<Linear>> {
+        let mut weights = Vec::with_capacity(parts.len());
+        let mut biases = Vec::with_capacity(parts.len());
+        for part in parts {
+            let LinearWeight::Dense { weight_t } = &part.weight else {
+                return Ok(None);
+            };
+            weights.push(weight_t.t());
+            biases.extend(part.bias.clone());
+        }
+        if !biases.is_empty() && biases.len() != parts.len() {
+            return Ok(None);
+        }
+        // `[out, in]` blocks stacked, then viewed transposed like every dense weight, so
+        // products see the same layout (and MLX's CUDA backend the same kernels).
+        let weight_t = concatenate(&weights, 0)?.t();
+        let bias = match biases.is_empty() {
+            true => None,
+            false => Some(concatenate(&biases, 0)?),
+        };
+        Ok(Some(Linear {
+            weight: LinearWeight::Dense { weight_t },
+            bias,
+        }))
+    }
+}
+
+/// Splits the last axis of `y` into consecutive pieces of the given sizes (views).
+pub fn split_last(y: &Array, sizes: &[i32]) -> Result<Vec<Array>> {
+    let mut start = 0;
+    let mut out = Vec::with_capacity(sizes.len());
+    for &size in sizes {
+        out.push(y.try_index((.., .., start..start + size))?);
+        start += size;
+    }
+    Ok(out)
 }
 
 /// Token embedding table, usable as the output head when embeddings are tied.
@@ -468,20 +510,32 @@ impl Activation {
         }
     }
 
-    fn apply(self, x: &Array) -> Result<Array> {
+    /// `act(gate) · up` as one compiled (fused) kernel.
+    fn gated(self, gate: &Array, up: &Array) -> Result<Array> {
+        let silu = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+            g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
+        };
+        let gelu = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+            nn::gelu_approximate(g)?.multiply(u)
+        };
         Ok(match self {
-            Activation::Silu => nn::silu(x)?,
-            Activation::GeluTanh => nn::gelu_approximate(x)?,
+            Activation::Silu => compile(silu, true)((gate, up))?,
+            Activation::GeluTanh => compile(gelu, true)((gate, up))?,
         })
     }
 }
 
 /// `down(act(gate(x)) · up(x))`.
 pub struct GatedMlp {
-    gate: Linear,
-    up: Linear,
+    /// Gate and up, fused into one product (outputs side by side) when both are dense.
+    gate_up: GateUp,
     down: Linear,
     act: Activation,
+}
+
+enum GateUp {
+    Separate { gate: Linear, up: Linear },
+    Fused { both: Linear, inner: i32 },
 }
 
 impl GatedMlp {
@@ -493,20 +547,31 @@ impl GatedMlp {
         bias: bool,
         act: Activation,
     ) -> Result<Self> {
+        let gate = Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inner, bias)?;
+        let up = Linear::load(w, &format!("{prefix}.up_proj"), hidden, inner, bias)?;
+        let gate_up = match Linear::fuse(&[&gate, &up])? {
+            Some(both) => GateUp::Fused { both, inner },
+            None => GateUp::Separate { gate, up },
+        };
         Ok(Self {
-            gate: Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inner, bias)?,
-            up: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inner, bias)?,
+            gate_up,
             down: Linear::load(w, &format!("{prefix}.down_proj"), inner, hidden, bias)?,
             act,
         })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let gated = self
-            .act
-            .apply(&self.gate.forward(x)?)?
-            .multiply(self.up.forward(x)?)?;
-        self.down.forward(&gated)
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Fused { both, inner } => {
+                let mut parts = split_last(&both.forward(x)?, &[*inner, *inner])?.into_iter();
+                let (Some(gate), Some(up)) = (parts.next(), parts.next()) else {
+                    unreachable!("two sizes give two parts");
+                };
+                (gate, up)
+            }
+        };
+        self.down.forward(&self.act.gated(&gate, &up)?)
     }
 }
 

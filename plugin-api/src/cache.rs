@@ -9,8 +9,13 @@ use mlx_rs::Array;
 
 use crate::error::Result;
 
-/// Positions are allocated in chunks of this many so that decode steps rarely grow the buffer.
-const GROWTH_STEP: i32 = 256;
+/// Positions are allocated in chunks of this many so that decode steps rarely grow the
+/// buffer. Deliberately not 256: MLX's CUDA backend sends one-token attention over a
+/// buffer whose length is a multiple of 256 to cuDNN, keyed by the buffer's length, and
+/// a speculative verify (which writes ahead, so its buffer can be one chunk longer at the
+/// same position) would then round differently from plain decoding. With 255 every
+/// one-token attention takes MLX's own vector kernel, whatever the buffer length.
+const GROWTH_STEP: i32 = 255;
 
 /// Keys and values of one attention layer, shaped `[B, kv_heads, capacity, head_dim]`.
 /// Only the first `offset` positions along axis 2 are valid.
