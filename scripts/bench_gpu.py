@@ -66,6 +66,11 @@ def mlx_lm_generate(stream_generate, model, tokenizer, prompt_ids, max_tokens, s
 
 
 def run_mlx_lm(target, draft, prompts, max_tokens, num_draft):
+    # mlx-lm's verify step hands MLX's CUDA attention a new key length every round, and
+    # MLX builds (and caches) a cuDNN plan per shape: past 512 misses MLX 0.32.2 aborts
+    # with "Cache thrashing". A larger plan cache keeps mlx-lm's speculative decoding
+    # running (each round still pays for a new plan).
+    os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "65536")
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
