@@ -65,6 +65,22 @@ def mlx_lm_generate(stream_generate, model, tokenizer, prompt_ids, max_tokens, s
     return tokens, tps, tau
 
 
+def mlx_lm_view(model_dir):
+    """mlx-lm only loads weight files named model*.safetensors; dspec names its converted
+    shards shard-NNNNN.safetensors. Gives a directory of links with names mlx-lm finds."""
+    import glob
+    import tempfile
+    if glob.glob(os.path.join(model_dir, "model*.safetensors")):
+        return model_dir
+    view = tempfile.mkdtemp(prefix="mlx-lm-view-")
+    for name in os.listdir(model_dir):
+        src = os.path.abspath(os.path.join(model_dir, name))
+        dst = f"model-{name}" if name.endswith(".safetensors") else name
+        if name != "model.safetensors.index.json":
+            os.symlink(src, os.path.join(view, dst))
+    return view
+
+
 def run_mlx_lm(target, draft, prompts, max_tokens, num_draft):
     # mlx-lm's verify step hands MLX's CUDA attention a new key length every round, and
     # MLX builds (and caches) a cuDNN plan per shape: past 512 misses MLX 0.32.2 aborts
@@ -74,8 +90,8 @@ def run_mlx_lm(target, draft, prompts, max_tokens, num_draft):
     from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    model, tokenizer = load(target)
-    draft_model, _ = load(draft)
+    model, tokenizer = load(mlx_lm_view(target))
+    draft_model, _ = load(mlx_lm_view(draft))
     greedy = make_sampler(temp=0.0)
     # Warm-up: kernels, graph caches and allocations of both paths.
     warm = max(8, min(32, max_tokens))

@@ -11,8 +11,8 @@ use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{KvCache, WeightSource};
 
 use crate::layers::{
-    is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight,
-    RmsNorm, Rope,
+    is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight, RmsNorm,
+    Rope,
 };
 
 /// Shape and options of one attention layer.
@@ -194,7 +194,12 @@ impl Attention {
 
     /// Normed and rotated keys, and values, at positions `offset..` from the raw
     /// projections.
-    fn keys_values(&self, raw_k: Array, raw_v: Option<Array>, offset: i32) -> Result<(Array, Array)> {
+    fn keys_values(
+        &self,
+        raw_k: Array,
+        raw_v: Option<Array>,
+        offset: i32,
+    ) -> Result<(Array, Array)> {
         let s = &self.spec;
         let raw_k = self.split_heads(raw_k, s.kv_heads)?;
         let mut v = match raw_v {
@@ -266,12 +271,20 @@ impl Attention {
     }
 
     /// Attention of `q` (`[1, heads, L, D]`) over `keys`/`values`.
-    fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: Option<&Array>) -> Result<Array> {
+    fn attend(
+        &self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        mask: Option<&Array>,
+    ) -> Result<Array> {
         let s = &self.spec;
         match s.softcap {
             None => {
                 let mask = mask.map(ScaledDotProductAttentionMask::Array);
-                Ok(scaled_dot_product_attention(q, keys, values, s.scale, mask, None)?)
+                Ok(scaled_dot_product_attention(
+                    q, keys, values, s.scale, mask, None,
+                )?)
             }
             Some(cap) => self.softcapped_attention(q, keys, values, mask, cap),
         }

@@ -7,6 +7,7 @@ use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, Array};
 
 use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{Quantization, WeightSource};
 
 /// Quantized weight parts, as MLX's affine quantization stores them.
@@ -236,10 +237,11 @@ impl Linear {
 
 /// Splits the last axis of `y` into consecutive pieces of the given sizes (views).
 pub fn split_last(y: &Array, sizes: &[i32]) -> Result<Vec<Array>> {
+    let axis = y.ndim() - 1;
     let mut start = 0;
     let mut out = Vec::with_capacity(sizes.len());
     for &size in sizes {
-        out.push(y.try_index((.., .., start..start + size))?);
+        out.push(slice_axis(y, axis, start, start + size)?);
         start += size;
     }
     Ok(out)
@@ -512,12 +514,14 @@ impl Activation {
 
     /// `act(gate) · up` as one compiled (fused) kernel.
     fn gated(self, gate: &Array, up: &Array) -> Result<Array> {
-        let silu = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-            g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
-        };
-        let gelu = |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
-            nn::gelu_approximate(g)?.multiply(u)
-        };
+        let silu =
+            |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+                g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
+            };
+        let gelu =
+            |(g, u): (&Array, &Array)| -> std::result::Result<Array, mlx_rs::error::Exception> {
+                nn::gelu_approximate(g)?.multiply(u)
+            };
         Ok(match self {
             Activation::Silu => compile(silu, true)((gate, up))?,
             Activation::GeluTanh => compile(gelu, true)((gate, up))?,
@@ -583,5 +587,5 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
 
 /// Positions `[start, end)` of the sequence axis (axis 2 of `[B, H, L, D]`).
 pub fn seq_slice(x: &Array, start: i32, end: i32) -> Result<Array> {
-    Ok(x.try_index((.., .., start..end))?)
+    slice_axis(x, 2, start, end)
 }

@@ -318,7 +318,9 @@ mod tests {
     ) -> Vec<f32> {
         let ids = |t: &[u32]| Array::from_slice(t, &[1, t.len() as i32]);
         let mut cache = model.new_cache();
-        model.forward(&ids(&tokens[..prefix]), &mut cache, &[]).expect("prefill");
+        model
+            .forward(&ids(&tokens[..prefix]), &mut cache, &[])
+            .expect("prefill");
         let chunks: Vec<&[u32]> = if one_at_a_time {
             tokens[prefix..].chunks(1).collect()
         } else {

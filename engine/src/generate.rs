@@ -290,8 +290,8 @@ pub fn generate(
             None => queue_step(model, &mut cache, &next, &mut picker)?,
         };
         // Room for one more after `step`: queue it before waiting on `step`.
-        let room = tokens.len() + 1 < config.max_tokens
-            && prompt.len() + tokens.len() + 1 < context_limit;
+        let room =
+            tokens.len() + 1 < config.max_tokens && prompt.len() + tokens.len() + 1 < context_limit;
         if room && matches!(picker, Picker::Greedy) {
             queued = Some(queue_step(model, &mut cache, &step, &mut picker)?);
         }

@@ -3,11 +3,11 @@
 
 use std::any::Any;
 
-use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::error::Result;
+use crate::slicing::{slice_axis, write_axis};
 
 /// Positions are allocated in chunks of this many so that decode steps rarely grow the
 /// buffer. Deliberately not 256: MLX's CUDA backend sends one-token attention over a
@@ -53,13 +53,10 @@ impl KvCache {
             unreachable!("grow always allocates both buffers");
         };
         // Writing into the buffer is an in-place update when MLX holds the only reference.
-        k_buf.try_index_mut((.., .., self.offset..end), keys)?;
-        v_buf.try_index_mut((.., .., self.offset..end), values)?;
+        *k_buf = write_axis(k_buf, keys, 2, self.offset)?;
+        *v_buf = write_axis(v_buf, values, 2, self.offset)?;
         self.offset = end;
-        Ok((
-            k_buf.try_index((.., .., ..end))?,
-            v_buf.try_index((.., .., ..end))?,
-        ))
+        Ok((slice_axis(k_buf, 2, 0, end)?, slice_axis(v_buf, 2, 0, end)?))
     }
 
     /// Forgets the last `n` positions (clamped to what is there); returns how many were dropped.
@@ -77,7 +74,7 @@ impl KvCache {
             Ok(match old {
                 // Keep only the valid prefix: trimmed positions need not be copied.
                 Some(old) if self.offset > 0 => {
-                    let valid = old.try_index((.., .., ..self.offset))?;
+                    let valid = slice_axis(old, 2, 0, self.offset)?;
                     concatenate(&[valid, fresh(capacity - self.offset)?], 2)?
                 }
                 _ => fresh(capacity)?,
@@ -173,6 +170,7 @@ impl ModelCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
 
     fn kv(len: i32, seed: u64) -> Array {

@@ -11,6 +11,7 @@ pub mod drafter;
 pub mod error;
 pub mod plugin;
 pub mod registry;
+pub mod slicing;
 pub mod target;
 pub mod weights;
 
