@@ -206,18 +206,25 @@ pub fn parse_config<T: DeserializeOwned>(config: &serde_json::Value, dir: &Path)
 
 /// Opens the checkpoint's weights and builds the decoder described by `spec`.
 pub fn load_decoder(req: &LoadRequest, spec: DecoderSpec) -> Result<Box<dyn TargetModel>> {
-    let mut weights = ProgressWeights {
-        inner: Weights::open(req.dir, req.options)?,
-        progress: req.progress,
-    };
+    let mut weights = ProgressWeights::open(req)?;
     let model = Decoder::load(spec, &mut weights)?;
     Ok(Box::new(model))
 }
 
 /// Forwards to [`Weights`] and reports progress as tensors are taken.
-struct ProgressWeights<'a> {
+pub(crate) struct ProgressWeights<'a> {
     inner: Weights,
     progress: &'a dyn Fn(usize, usize),
+}
+
+impl<'a> ProgressWeights<'a> {
+    /// The checkpoint of `req`, reporting to its progress callback.
+    pub(crate) fn open(req: &LoadRequest<'a>) -> Result<Self> {
+        Ok(Self {
+            inner: Weights::open(req.dir, req.options)?,
+            progress: req.progress,
+        })
+    }
 }
 
 impl dspec_plugin_api::WeightSource for ProgressWeights<'_> {

@@ -8,7 +8,9 @@ use mlx_rs::{fast, nn, Array};
 
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::slicing::slice_axis;
-use dspec_plugin_api::{Quantization, WeightSource};
+use dspec_plugin_api::{LoraUpdate, Quantization, WeightSource};
+
+use crate::lora::{merged_weight, LoraDelta};
 
 /// Quantized weight parts, as MLX's affine quantization stores them.
 struct Quantized {
@@ -31,6 +33,27 @@ impl Quantized {
             self.group_size,
             self.bits,
         )?)
+    }
+
+    /// Dequantizes, merges a LoRA update and quantizes again with the same bits and
+    /// group size (as mlx-lm's fuse does; the result carries one more rounding).
+    fn merged(&self, update: &LoraUpdate) -> Result<Quantized> {
+        let dense = dequantize(
+            &self.weight,
+            &self.scales,
+            &self.biases,
+            self.group_size,
+            self.bits,
+        )?;
+        let (weight, scales, biases) =
+            quantize(merged_weight(&dense, update)?, self.group_size, self.bits)?;
+        Ok(Quantized {
+            weight,
+            scales,
+            biases,
+            group_size: self.group_size,
+            bits: self.bits,
+        })
     }
 }
 
@@ -150,14 +173,27 @@ fn dense_matmul(x: &Array, w_t: &Array) -> Result<Array> {
     Ok(matmul(&spaced, &w)?)
 }
 
-/// `y = x Wᵀ + b`.
+impl LinearWeight {
+    /// The dtype activations meet this weight in.
+    fn dtype(&self) -> mlx_rs::Dtype {
+        match self {
+            LinearWeight::Dense { weight_t } => weight_t.dtype(),
+            LinearWeight::Quantized(q) => q.scales.dtype(),
+        }
+    }
+}
+
+/// `y = x Wᵀ + b`, plus a LoRA update when the weight source carries an adapter for it.
 pub struct Linear {
     weight: LinearWeight,
     bias: Option<Array>,
+    lora: Option<LoraDelta>,
 }
 
 impl Linear {
     /// Loads `prefix.weight` (`[out, in]`), quantized or not, and `prefix.bias` when `bias`.
+    /// A LoRA update the source offers for `prefix` is kept beside the weight or merged
+    /// into it, as the update says.
     pub fn load(
         w: &mut dyn WeightSource,
         prefix: &str,
@@ -165,10 +201,20 @@ impl Linear {
         out_dim: i32,
         bias: bool,
     ) -> Result<Self> {
+        let update = w.lora_update(prefix, in_dim, out_dim)?;
+        let to_merge = update.as_ref().filter(|u| u.switch.is_none());
         let weight = if w.contains(&format!("{prefix}.scales")) {
-            LinearWeight::Quantized(load_quantized(w, prefix, out_dim, in_dim)?)
+            let q = load_quantized(w, prefix, out_dim, in_dim)?;
+            match to_merge {
+                Some(u) => LinearWeight::Quantized(q.merged(u)?),
+                None => LinearWeight::Quantized(q),
+            }
         } else {
-            let dense = w.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+            let mut dense = w.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?;
+            if let Some(u) = to_merge {
+                // Merged before any quantize-on-load, so the update is quantized once.
+                dense = merged_weight(&dense, u)?;
+            }
             match maybe_quantize(dense, w.options().quantize)? {
                 Ok(q) => LinearWeight::Quantized(q),
                 Err(dense) => LinearWeight::Dense {
@@ -181,7 +227,11 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        let lora = match &update {
+            Some(u) => LoraDelta::new(u, weight.dtype())?,
+            None => None,
+        };
+        Ok(Self { weight, bias, lora })
     }
 
     /// `x`: `[B, L, in]`; in the row layout (`[R, 1, in]`, see [`is_row_layout`]) every
@@ -190,6 +240,10 @@ impl Linear {
         let y = match &self.weight {
             LinearWeight::Dense { weight_t } => dense_matmul(x, weight_t)?,
             LinearWeight::Quantized(q) => q.matmul_t(x)?,
+        };
+        let y = match &self.lora {
+            Some(delta) => delta.add_to(x, y)?,
+            None => y,
         };
         match &self.bias {
             Some(b) => Ok(y.add(b)?),
@@ -205,14 +259,15 @@ impl Linear {
     }
 
     /// One layer computing `parts`' outputs side by side, when all are dense with the
-    /// same bias layout; `None` leaves them apart. Fusing projections that read the same
+    /// same bias layout and no switchable LoRA update; `None` leaves them apart. Fusing projections that read the same
     /// input (q/k/v, gate/up) saves kernel launches per token, which is what decoding
     /// costs on a GPU. Each output element is the same dot product as before.
     pub fn fuse(parts: &[&Linear]) -> Result<Option<Linear>> {
         let mut weights = Vec::with_capacity(parts.len());
         let mut biases = Vec::with_capacity(parts.len());
         for part in parts {
-            let LinearWeight::Dense { weight_t } = &part.weight else {
+            // A switchable LoRA update belongs to one projection: keep those apart.
+            let (LinearWeight::Dense { weight_t }, None) = (&part.weight, &part.lora) else {
                 return Ok(None);
             };
             weights.push(weight_t.t());
@@ -231,6 +286,7 @@ impl Linear {
         Ok(Some(Linear {
             weight: LinearWeight::Dense { weight_t },
             bias,
+            lora: None,
         }))
     }
 }

@@ -9,6 +9,7 @@ pub mod fixtures;
 // engine tests build gemma4 targets from.
 pub mod gemma4;
 pub mod layers;
+pub mod lora;
 pub mod transformer;
 
 mod gemma;

@@ -14,6 +14,8 @@ pub mod model_source;
 pub mod plugins;
 pub mod runtime;
 pub mod sampling;
+pub mod score_batch;
+pub mod scoring;
 pub mod speculative;
 pub mod stop;
 pub mod tiny_model;

@@ -1,11 +1,16 @@
 //! Loads a target: resolve the directory, pick the adapter from the registry, load
-//! the weights (with a progress bar on a terminal) and the tokenizer.
+//! the weights (with a progress bar on a terminal) and the tokenizer; optionally with
+//! a LoRA adapter attached.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use dspec_plugin_api::{AdapterRegistry, LoadOptions, LoadRequest, TargetModel};
+use dspec_adapters::lora::{load_adapted, LoraAdapter, LoraMode, LoraSwitch};
+use dspec_plugin_api::registry::AdapterEntry;
+use dspec_plugin_api::{
+    AdapterRegistry, AdapterSource, LoadOptions, LoadRequest, ModelError, TargetModel,
+};
 
 use crate::error::EngineError;
 use crate::model_source::resolve_model_dir;
@@ -33,6 +38,69 @@ pub fn load_model(
     options: &LoadOptions,
     show_progress: bool,
 ) -> Result<LoadedModel, EngineError> {
+    load_with(arg, registry, options, show_progress, |entry, req| {
+        Ok((entry.load)(req)?)
+    })
+}
+
+/// A LoRA adapter loaded with its target.
+pub struct LoadedLora {
+    pub dir: PathBuf,
+    /// Format, module count, ranks and scales, for people.
+    pub summary: String,
+    /// Turns the adapter on and off; `None` when it was fused into the weights.
+    pub switch: Option<LoraSwitch>,
+    /// Things worth telling the user that do not stop the load (base model name).
+    pub warnings: Vec<String>,
+}
+
+/// Loads model and tokenizer as [`load_model`] does, with the LoRA adapter in
+/// `lora_dir` attached to its linear layers (`mode`: switchable or fused). Only
+/// built-in families take adapters; a plugin's model is refused.
+pub fn load_model_with_lora(
+    arg: &str,
+    registry: &AdapterRegistry,
+    options: &LoadOptions,
+    lora_dir: &Path,
+    mode: LoraMode,
+    show_progress: bool,
+) -> Result<(LoadedModel, LoadedLora), EngineError> {
+    // The adapter first: a broken adapter should not cost a weight load.
+    let adapter = LoraAdapter::open(lora_dir)?;
+    let mut switch = None;
+    let mut warnings = Vec::new();
+    let loaded = load_with(arg, registry, options, show_progress, |entry, req| {
+        if let AdapterSource::Plugin { path, .. } = &entry.source {
+            return Err(ModelError::Unsupported(format!(
+                "--lora: `{}` models come from the plugin {}, and LoRA adapters apply to                  built-in families only; drop --lora or use a built-in family",
+                entry.name,
+                path.display()
+            ))
+            .into());
+        }
+        warnings.extend(adapter.base_model_warning(req.dir, req.config));
+        let adapted = load_adapted(req, &entry.name, &adapter, mode)?;
+        switch = adapted.switch;
+        Ok(adapted.model)
+    })?;
+    let lora = LoadedLora {
+        dir: lora_dir.to_path_buf(),
+        summary: adapter.summary(),
+        switch,
+        warnings,
+    };
+    Ok((loaded, lora))
+}
+
+/// Resolves `arg`, detects its adapter, loads the tokenizer, then builds the model with
+/// `build` under a progress bar.
+fn load_with(
+    arg: &str,
+    registry: &AdapterRegistry,
+    options: &LoadOptions,
+    show_progress: bool,
+    build: impl FnOnce(&AdapterEntry, &LoadRequest) -> Result<Box<dyn TargetModel>, EngineError>,
+) -> Result<LoadedModel, EngineError> {
     let dir = resolve_model_dir(arg)?;
     let found = registry.detect(&dir)?;
     // The tokenizer first: a missing tokenizer.json should not cost a weight load.
@@ -58,7 +126,7 @@ pub fn load_model(
         options,
         progress: &progress,
     };
-    let model = (found.adapter.load)(&req)?;
+    let model = build(found.adapter, &req)?;
     bar.finish_and_clear();
     Ok(LoadedModel {
         model,

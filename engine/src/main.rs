@@ -1,4 +1,4 @@
-//! The `dspec` command line: `generate`, `adapters`, and `--version`.
+//! The `dspec` command line: `generate`, `bench`, `score`, `adapters`, `convert`, and `--version`.
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
@@ -7,14 +7,17 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use mlx_rs::Dtype;
 
+use dspec_adapters::lora::LoraMode;
 use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
 use dspec_engine::chat_template::{ChatMessage, ChatTemplate};
 use dspec_engine::drafting::{available_drafters, load_drafter};
 use dspec_engine::generate::{generate, GenerationConfig, GenerationOutput};
-use dspec_engine::loading::load_model;
+use dspec_engine::loading::{load_model, load_model_with_lora};
 use dspec_engine::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::runtime::{version_report, Backend};
 use dspec_engine::sampling::SamplingParams;
+use dspec_engine::score_batch::{read_requests, render_text, run_requests, ScoreRequest, Sides};
+use dspec_engine::scoring::{Measure, Scorer, ScorerAdapter, Windowing};
 use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tokenizer::TextTokenizer;
 use dspec_plugin_api::{AdapterRegistry, DrafterOptions, LoadOptions, Quantization};
@@ -74,6 +77,9 @@ enum Command {
     Convert(ConvertArgs),
     /// Plain greedy vs speculative decoding on the same prompts, in one process.
     Bench(BenchArgs),
+    /// How likely is a text: log-probability of a completion, rolling log-probabilities,
+    /// or the next-token distribution; optionally with a LoRA adapter (--lora, --compare).
+    Score(ScoreArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -282,6 +288,102 @@ struct BenchArgs {
     json: bool,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum MeasureArg {
+    /// log p(--completion | --prompt), per token and summed.
+    Logprob,
+    /// log p of every token of --text given the tokens before it; total and perplexity.
+    Rolling,
+    /// The --top-k most likely tokens after --prompt, and the mass of the rest.
+    NextToken,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// What to measure for --prompt/--completion/--text. Default: logprob when both
+    /// --prompt and --completion are given, next-token for --prompt alone, rolling for --text.
+    #[arg(long, value_enum)]
+    measure: Option<MeasureArg>,
+    /// Raw text (no chat template) the completion or next token follows.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Text whose log-probability after --prompt is measured.
+    #[arg(long)]
+    completion: Option<String>,
+    /// Text scored token by token (rolling).
+    #[arg(long)]
+    text: Option<String>,
+    /// Score the requests in this JSONL file, one object per line:
+    /// {"measure": "logprob", "prompt": ..., "completion": ...} | {"measure": "rolling", "text": ...}
+    /// | {"measure": "next-token", "prompt": ..., "k": N}; any line may carry an "id".
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["measure", "prompt", "completion", "text"])]
+    input: Option<PathBuf>,
+    /// Tokens listed by next-token (and its default for JSONL lines without "k").
+    #[arg(long, default_value_t = 10)]
+    top_k: usize,
+    /// LoRA adapter directory: PEFT (adapter_config.json + adapter_model.safetensors) or
+    /// MLX-LM (adapter_config.json + adapters.safetensors). Scores the adapted model.
+    #[arg(long, value_name = "DIR")]
+    lora: Option<PathBuf>,
+    /// Score base and adapted side by side, with deltas, from one load of the base weights.
+    #[arg(long, requires = "lora", conflicts_with = "fuse")]
+    compare: bool,
+    /// Merge the adapter into the weights at load (faster; no base scores).
+    #[arg(long, requires = "lora")]
+    fuse: bool,
+    /// Tokens per window for texts longer than this (default: the model's context).
+    #[arg(long)]
+    window: Option<usize>,
+    /// Tokens between window starts (default: half the window).
+    #[arg(long)]
+    stride: Option<usize>,
+    /// Print one JSON object with every result and the run's statistics.
+    #[arg(long)]
+    json: bool,
+}
+
+impl ScoreArgs {
+    /// The requests to score, from --input or from the single-item flags.
+    fn requests(&self) -> Result<Vec<ScoreRequest>> {
+        if let Some(path) = &self.input {
+            return Ok(read_requests(path, self.top_k)?);
+        }
+        let measure = match (
+            self.measure,
+            &self.prompt,
+            &self.completion,
+            &self.text,
+        ) {
+            (Some(MeasureArg::Logprob) | None, Some(prompt), Some(completion), None) => {
+                Measure::Logprob {
+                    prompt: prompt.clone(),
+                    completion: completion.clone(),
+                }
+            }
+            (Some(MeasureArg::NextToken) | None, Some(prompt), None, None) => Measure::NextToken {
+                prompt: prompt.clone(),
+                k: self.top_k,
+            },
+            (Some(MeasureArg::Rolling) | None, None, None, Some(text)) => Measure::Rolling {
+                text: text.clone(),
+            },
+            (Some(MeasureArg::Logprob), ..) => bail!("--measure logprob takes --prompt and --completion"),
+            (Some(MeasureArg::NextToken), ..) => bail!("--measure next-token takes --prompt (and --top-k)"),
+            (Some(MeasureArg::Rolling), ..) => bail!("--measure rolling takes --text"),
+            (None, ..) => bail!(
+                "give --prompt and --completion (logprob), --prompt (next-token), --text (rolling), or --input FILE.jsonl"
+            ),
+        };
+        Ok(vec![ScoreRequest {
+            line: None,
+            id: None,
+            measure,
+        }])
+    }
+}
+
 #[derive(Args)]
 struct AdaptersArgs {
     /// Report which adapter this model directory resolves to, and why.
@@ -300,8 +402,11 @@ fn main() {
         (false, Some(Command::Adapters(args))) => run_adapters(args, &cli.plugins),
         (false, Some(Command::Convert(args))) => run_convert(args),
         (false, Some(Command::Bench(args))) => run_bench(args, &cli.plugins),
+        (false, Some(Command::Score(args))) => run_score(args, &cli.plugins),
         (false, None) => {
-            eprintln!("dspec: give a command (generate, adapters) or --help");
+            eprintln!(
+                "dspec: give a command (generate, bench, score, adapters, convert) or --help"
+            );
             std::process::exit(2);
         }
     };
@@ -569,6 +674,97 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
     if !report.all_identical {
         bail!("speculative and plain greedy outputs differ (see the table): this is a bug in dspec, please report it");
     }
+    Ok(())
+}
+
+fn run_score(args: ScoreArgs, plugins: &PluginArgs) -> Result<()> {
+    // Bad requests fail before the weights load.
+    let requests = args.requests()?;
+    let backend = Backend::detect();
+    let options = args.model.load_options(backend)?;
+    let registry = plugins.registry()?;
+    let show_progress = std::io::stderr().is_terminal() && !args.json;
+    let (loaded, lora) = match &args.lora {
+        None => (
+            load_model(&args.model.target, &registry, &options, show_progress)?,
+            None,
+        ),
+        Some(dir) => {
+            let mode = if args.fuse {
+                LoraMode::Fused
+            } else {
+                LoraMode::Switchable
+            };
+            let (loaded, lora) = load_model_with_lora(
+                &args.model.target,
+                &registry,
+                &options,
+                dir,
+                mode,
+                show_progress,
+            )
+            .with_context(|| format!("loading --lora {}", dir.display()))?;
+            for warning in &lora.warnings {
+                eprintln!("warning: {warning}");
+            }
+            (loaded, Some(lora))
+        }
+    };
+    let info = loaded.model.info().clone();
+    let windowing = Windowing::new(args.window, args.stride, info.max_context)?;
+    let dir = loaded.dir.clone();
+    let mut scorer = Scorer::new(loaded, lora.as_ref().map(ScorerAdapter::from), windowing);
+    let sides = if args.compare {
+        Sides::Compare
+    } else {
+        Sides::One(scorer.default_variant())
+    };
+    let results = run_requests(&mut scorer, &requests, sides)?;
+    let stats = scorer.stats();
+    if args.json {
+        let report = serde_json::json!({
+            "model": {
+                "dir": dir,
+                "model_type": info.model_type,
+                "dtype": format!("{:?}", info.dtype),
+                "quantized_bits": info.quantized_bits,
+                "device": backend.device_name(),
+            },
+            "adapter": lora.as_ref().map(|l| serde_json::json!({
+                "dir": l.dir,
+                "summary": l.summary,
+                "fused": l.switch.is_none(),
+                "warnings": l.warnings,
+            })),
+            "window": windowing.window,
+            "stride": windowing.stride,
+            "results": results,
+            "stats": stats,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    if let Some(lora) = &lora {
+        eprintln!(
+            "[dspec] {}{}",
+            lora.summary,
+            if lora.switch.is_none() {
+                " (fused)"
+            } else {
+                ""
+            }
+        );
+    }
+    print!("{}", render_text(&results));
+    eprintln!(
+        "[dspec] {} request(s): {} computed, {} from cache, {} forward passes (window {}, stride {})",
+        results.len(),
+        stats.computed,
+        stats.cache_hits,
+        stats.forward_passes,
+        windowing.window,
+        windowing.stride,
+    );
     Ok(())
 }
 

@@ -23,7 +23,7 @@ pub use drafter::{
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
 pub use target::{ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel};
-pub use weights::{WeightSource, Weights};
+pub use weights::{LoraUpdate, WeightSource, Weights};
 
 /// Re-exported so adapter crates and plugins submit registrations with the same
 /// `inventory` instance the engine collects from.

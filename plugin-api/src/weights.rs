@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use mlx_rs::{random, Array, Dtype};
 
@@ -24,6 +26,31 @@ pub trait WeightSource {
     fn raw(&mut self, name: &str) -> Result<Array>;
 
     fn options(&self) -> &LoadOptions;
+
+    /// The LoRA update for linear layer `module` (`model.layers.0.self_attn.q_proj`,
+    /// weight `[out_dim, in_dim]`) when this source carries an adapter that targets it.
+    /// Plain checkpoints carry none; dspec-adapters' LoRA loading wraps a source to add one.
+    fn lora_update(
+        &mut self,
+        _module: &str,
+        _in_dim: i32,
+        _out_dim: i32,
+    ) -> Result<Option<LoraUpdate>> {
+        Ok(None)
+    }
+}
+
+/// A low-rank update of one linear layer: `y = x Wᵀ + scale · (x Aᵀ) Bᵀ`.
+pub struct LoraUpdate {
+    /// `[rank, in_dim]`.
+    pub a: Array,
+    /// `[out_dim, rank]`.
+    pub b: Array,
+    pub scale: f32,
+    /// `Some`: keep the update beside the weight and apply it while the switch is on
+    /// (one switch shared by every layer of an adapter); `None`: merge it into the
+    /// weight at load (`W + scale · B A`), for speed, with no way back.
+    pub switch: Option<Arc<AtomicBool>>,
 }
 
 fn is_float(dtype: Dtype) -> bool {
@@ -159,6 +186,32 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Loads every tensor of one safetensors file into `tensors` (later files win on a
+/// name clash), after checking its header.
+fn load_file(file: &Path, tensors: &mut HashMap<String, (PathBuf, Array)>) -> Result<()> {
+    let header = read_header(file)?;
+    let arrays = Array::load_safetensors(file).map_err(|e| ModelError::MlxIo {
+        path: file.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    for (name, array) in arrays {
+        if let Some(entry) = header.get(&name) {
+            let stored: Vec<i64> = array.shape().iter().map(|&d| d as i64).collect();
+            if stored != entry.shape {
+                return Err(ModelError::CorruptWeights {
+                    path: file.to_path_buf(),
+                    reason: format!(
+                        "tensor `{name}` ({}) read back with a different shape",
+                        entry.dtype
+                    ),
+                });
+            }
+        }
+        tensors.insert(name, (file.to_path_buf(), array));
+    }
+    Ok(())
+}
+
 /// Weights of a checkpoint directory, loaded lazily by MLX.
 pub struct Weights {
     dir: PathBuf,
@@ -173,35 +226,33 @@ impl Weights {
     pub fn open(dir: &Path, options: &LoadOptions) -> Result<Self> {
         let mut tensors = HashMap::new();
         for file in checkpoint_files(dir)? {
-            let header = read_header(&file)?;
-            let arrays = Array::load_safetensors(&file).map_err(|e| ModelError::MlxIo {
-                path: file.clone(),
-                message: e.to_string(),
-            })?;
-            for (name, array) in arrays {
-                if let Some(entry) = header.get(&name) {
-                    let stored: Vec<i64> = array.shape().iter().map(|&d| d as i64).collect();
-                    if stored != entry.shape {
-                        return Err(ModelError::CorruptWeights {
-                            path: file.clone(),
-                            reason: format!(
-                                "tensor `{name}` ({}) read back with a different shape",
-                                entry.dtype
-                            ),
-                        });
-                    }
-                }
-                tensors.insert(name, (file.clone(), array));
-            }
+            load_file(&file, &mut tensors)?;
         }
+        Ok(Self::from_tensors(dir, options, tensors))
+    }
+
+    /// One safetensors file on its own, e.g. an adapter file in a directory that also
+    /// holds training checkpoints, which [`Weights::open`] would mix in.
+    pub fn open_file(path: &Path, options: &LoadOptions) -> Result<Self> {
+        let mut tensors = HashMap::new();
+        load_file(path, &mut tensors)?;
+        let dir = path.parent().unwrap_or(Path::new("."));
+        Ok(Self::from_tensors(dir, options, tensors))
+    }
+
+    fn from_tensors(
+        dir: &Path,
+        options: &LoadOptions,
+        tensors: HashMap<String, (PathBuf, Array)>,
+    ) -> Self {
         let total = tensors.len();
-        Ok(Self {
+        Self {
             dir: dir.to_path_buf(),
             options: options.clone(),
             tensors,
             taken: 0,
             total,
-        })
+        }
     }
 
     /// Tensors handed out so far (for progress reports).
