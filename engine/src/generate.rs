@@ -301,6 +301,12 @@ pub fn generate(
         current_id = token_value(&step)?;
         next = step;
     };
+    // A step queued past the end is still running: wait for it, so nothing is in flight
+    // when the caller goes on. (A process that exits while MLX's stream thread is inside
+    // an OpenBLAS call deadlocks in OpenBLAS's exit handler.)
+    if let Some(step) = queued {
+        step.eval()?;
+    }
     sink.finish(stop_reason == StopReason::StopString)?;
     let stats = GenerationStats::new(
         prompt.len(),

@@ -23,6 +23,17 @@ pub fn mlx_version() -> String {
     }
 }
 
+/// Waits until the default stream has finished everything queued on it. Call before
+/// the process exits: exiting while MLX's stream thread is inside an OpenBLAS call
+/// deadlocks in OpenBLAS's exit handler (seen with a decode step still in flight).
+pub fn wait_for_device() {
+    // SAFETY: no arguments; blocks until the default stream is idle. A failure here
+    // (no device) leaves nothing to wait for.
+    unsafe {
+        mlx_sys::mlx_synchronize_default();
+    }
+}
+
 /// The default device kind MLX picked: GPU when the loaded libmlx has a usable one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
