@@ -84,6 +84,8 @@ pub struct BenchRow {
 pub struct BenchReport {
     pub drafter: String,
     pub max_draft: usize,
+    /// Draft lengths were chosen per round (`--max-draft auto`), `max_draft` at most.
+    pub adaptive: bool,
     pub max_tokens: usize,
     pub rows: Vec<BenchRow>,
     /// Over all prompts: generated tokens (after each first) / decode seconds.
@@ -104,6 +106,7 @@ pub fn run_bench(
     prompts: &[Vec<u32>],
     max_tokens: usize,
     max_draft: usize,
+    adaptive: bool,
 ) -> Result<BenchReport, EngineError> {
     let config = GenerationConfig {
         max_tokens,
@@ -120,6 +123,7 @@ pub fn run_bench(
         let speculation = Speculation {
             drafter: &mut *drafter,
             max_draft,
+            adaptive,
             trace: None,
         };
         generate_speculative(model, tokenizer, first, &warm, speculation, &mut |_| {})?;
@@ -130,6 +134,7 @@ pub fn run_bench(
         let speculation = Speculation {
             drafter: &mut *drafter,
             max_draft,
+            adaptive,
             trace: None,
         };
         let spec =
@@ -174,6 +179,7 @@ pub fn run_bench(
     Ok(BenchReport {
         drafter: drafter.name().to_string(),
         max_draft,
+        adaptive,
         max_tokens,
         plain_tokens_per_second: plain_tps,
         speculative_tokens_per_second: spec_tps,

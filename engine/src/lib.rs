@@ -5,6 +5,7 @@ pub mod bench;
 pub mod chat_template;
 pub mod convert;
 pub mod detokenize;
+pub mod draft_length;
 pub mod drafting;
 pub mod error;
 pub mod generate;

@@ -228,9 +228,11 @@ struct DraftTuning {
     /// Longest n-gram the `ngram` drafter matches.
     #[arg(long, default_value_t = 3)]
     ngram: usize,
-    /// Most tokens drafted per round.
-    #[arg(long, default_value_t = 5)]
-    max_draft: usize,
+    /// Tokens drafted per round: N (always N, fewer only near the end), `auto` (chosen
+    /// each round, up to 8, from the measured acceptance and draft/verify costs) or
+    /// `auto:N` (the same, up to N).
+    #[arg(long, default_value = "5", value_parser = parse_draft_length)]
+    max_draft: DraftLengthArg,
     /// Quantize the drafter's weights on load: 4, 8, or 0 for full precision
     /// (default: DSpark 4, others full precision).
     #[arg(long, value_parser = ["0", "4", "8"])]
@@ -240,11 +242,37 @@ struct DraftTuning {
     confidence_threshold: Option<f32>,
 }
 
+/// `--max-draft`: a fixed count, or adaptive up to a bound.
+#[derive(Debug, Clone, Copy)]
+struct DraftLengthArg {
+    max: usize,
+    adaptive: bool,
+}
+
+/// Upper bound of `--max-draft auto`: past 8 drafts even a good drafter's later tokens
+/// are rarely kept, and the rows of a verify are not free.
+const AUTO_MAX_DRAFT: usize = 8;
+
+fn parse_draft_length(s: &str) -> std::result::Result<DraftLengthArg, String> {
+    let (adaptive, count) = match s.strip_prefix("auto") {
+        Some("") => return Ok(DraftLengthArg { max: AUTO_MAX_DRAFT, adaptive: true }),
+        Some(rest) => match rest.strip_prefix(':') {
+            Some(n) => (true, n),
+            None => (false, s),
+        },
+        None => (false, s),
+    };
+    match count.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(max) => Ok(DraftLengthArg { max, adaptive }),
+        Err(_) => Err(format!(
+            "expected a number of tokens (5), `auto` or `auto:N` (auto:12), got {s:?}"
+        )),
+    }
+}
+
 impl DraftTuning {
     fn options(&self, target_dtype: Dtype) -> Result<DrafterOptions> {
-        if self.max_draft == 0 {
-            bail!("--max-draft must be at least 1");
-        }
         if self.ngram == 0 {
             bail!("--ngram must be at least 1");
         }
@@ -554,7 +582,8 @@ fn run_generate(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
                 &config,
                 Speculation {
                     drafter: drafter.as_mut(),
-                    max_draft: args.tuning.max_draft,
+                    max_draft: args.tuning.max_draft.max,
+                    adaptive: args.tuning.max_draft.adaptive,
                     trace: trace_file.as_mut().map(|f| f as &mut dyn Write),
                 },
                 &mut on_text,
@@ -648,7 +677,8 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
         drafter.as_mut(),
         &ids,
         args.max_tokens,
-        args.tuning.max_draft,
+        args.tuning.max_draft.max,
+        args.tuning.max_draft.adaptive,
     )?;
     if args.json {
         let info = loaded.model.info();
@@ -663,11 +693,12 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!(
-            "target {} on {}, drafter {} (max draft {}), {} greedy tokens per prompt",
+            "target {} on {}, drafter {} (max draft {}{}), {} greedy tokens per prompt",
             loaded.dir.display(),
             backend.device_name(),
             report.drafter,
             report.max_draft,
+            if report.adaptive { ", adaptive" } else { "" },
             report.max_tokens
         );
         print!("{}", report.table());

@@ -19,6 +19,7 @@ use serde::Serialize;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, ModelError, Picked, TargetModel, TokenPicker};
 
+use crate::draft_length::DraftLength;
 use crate::error::EngineError;
 use crate::generate::{
     logits_to_host, prefill_with_taps, GenerationConfig, GenerationStats, StopReason, TextSink,
@@ -176,6 +177,9 @@ pub struct Speculation<'a> {
     pub drafter: &'a mut dyn Drafter,
     /// Most drafts verified per round.
     pub max_draft: usize,
+    /// Draft fewer than `max_draft` in a round when the measured acceptance and costs
+    /// say fewer pay better (`--max-draft auto`; see [`DraftLength`]).
+    pub adaptive: bool,
     /// Receives one JSON line per round when set.
     pub trace: Option<&'a mut dyn Write>,
 }
@@ -221,6 +225,7 @@ pub fn generate_speculative(
     let Speculation {
         drafter,
         max_draft,
+        adaptive,
         mut trace,
     } = speculation;
     if max_draft == 0 {
@@ -257,13 +262,14 @@ pub fn generate_speculative(
 
     let mut draft_time = Duration::ZERO;
     let mut histogram = vec![0usize; max_draft + 1];
+    let mut length = DraftLength::new(max_draft, adaptive);
     let (mut forwards, mut drafted, mut accepted_total) = (0usize, 0usize, 0usize);
     let mut stop = committer.push(last)?;
     while stop.is_none() {
         // Never draft past what may still be committed.
         let room = (config.max_tokens - committer.tokens.len())
             .min(committer.context_left - committer.tokens.len());
-        let k = max_draft.min(room.saturating_sub(1));
+        let k = length.next(room.saturating_sub(1));
         let t = Instant::now();
         let mut draft = drafter.propose(
             model,
@@ -290,6 +296,13 @@ pub fn generate_speculative(
             &taps,
         )?;
         let (accepted, next) = accept(&out.logits, &draft, sampler.as_mut())?;
+        let verify_elapsed = t.elapsed();
+        length.observe(
+            draft.tokens.len(),
+            accepted,
+            draft_elapsed.as_secs_f64(),
+            verify_elapsed.as_secs_f64(),
+        );
         cache.trim(draft.tokens.len() - accepted);
         let hidden = match &out.hidden {
             Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
@@ -304,7 +317,7 @@ pub fn generate_speculative(
                 accepted,
                 target_token: next,
                 draft_ms: draft_elapsed.as_secs_f64() * 1e3,
-                verify_ms: t.elapsed().as_secs_f64() * 1e3,
+                verify_ms: verify_elapsed.as_secs_f64() * 1e3,
             };
             serde_json::to_writer(&mut *out, &line)
                 .map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;

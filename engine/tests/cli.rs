@@ -448,6 +448,20 @@ fn ngram_drafter_gives_the_greedy_text_and_reports_tau() {
         "{spec}"
     );
     assert_eq!(spec["speculative"]["drafter"], "ngram");
+    // Adaptive lengths (up to 3 here) change the speed, never the text.
+    let auto = run(&["--drafter", "ngram", "--max-draft", "auto:3"]);
+    assert_eq!(auto["text"], plain["text"]);
+    let histogram = auto["speculative"]["acceptance_histogram"]
+        .as_array()
+        .expect("histogram");
+    assert_eq!(histogram.len(), 4, "{auto}");
+    for bad in ["0", "auto:0", "many", "auto3"] {
+        let out = dspec(&[
+            "generate", "--target", m, "--prompt", "x", "--drafter", "ngram", "--max-draft", bad,
+        ]);
+        assert_eq!(out.status.code(), Some(2), "clap rejects --max-draft {bad}");
+        assert!(stderr(&out).contains("--max-draft"), "{}", stderr(&out));
+    }
     let err = dspec_fails(&[
         "generate",
         "--target",

@@ -55,6 +55,7 @@ fn assert_same_as_greedy(
         Speculation {
             drafter,
             max_draft,
+            adaptive: false,
             trace: None,
         },
         &mut |_| {},

@@ -272,6 +272,7 @@ fn speculative_decoding_on_a_plugin_target_equals_plain_greedy() {
             Speculation {
                 drafter: drafter.as_mut(),
                 max_draft: 4,
+                adaptive: false,
                 trace: None,
             },
             &mut |_| {},
@@ -300,6 +301,7 @@ fn speculative_decoding_on_a_plugin_target_equals_plain_greedy() {
         Speculation {
             drafter: drafter.as_mut(),
             max_draft: 4,
+            adaptive: false,
             trace: None,
         },
         &mut |_| {},
@@ -688,6 +690,7 @@ fn dflash_and_dspark_draft_for_a_plugin_target() {
             Speculation {
                 drafter: drafter.as_mut(),
                 max_draft: 3,
+                adaptive: false,
                 trace: None,
             },
             &mut |_| {},

@@ -89,6 +89,7 @@ fn spec(drafter: &mut dyn Drafter, max_draft: usize) -> Speculation<'_> {
     Speculation {
         drafter,
         max_draft,
+        adaptive: false,
         trace: None,
     }
 }
@@ -276,5 +277,93 @@ fn ngram_speculation_equals_greedy_on_repetitive_prompts() {
             out.speculative.drafted_tokens > 0,
             "{overrides}: the repetitive prompt gives n-gram matches"
         );
+    }
+}
+
+/// `--max-draft auto`: the draft length changes from round to round with what the
+/// rounds measured, and the output is still plain greedy's, token for token, whether
+/// the drafts are mostly right (noisy oracle) or always wrong (every token shifted).
+#[test]
+fn adaptive_draft_length_keeps_greedy_output() {
+    let (_dir, loaded) = load("{}", 23);
+    let prompt = loaded
+        .tokenizer
+        .encode_prompt("adapt the draft length", false)
+        .unwrap();
+    let truth = greedy(&loaded, &prompt, 70);
+    for always_wrong in [false, true] {
+        let mut wrong = ShiftedOracle(NoisyOracle {
+            truth: truth.clone(),
+            seen: 0,
+            round: 0,
+            vocab: 259,
+            hidden_checks: 0,
+        });
+        let drafter: &mut dyn Drafter = if always_wrong {
+            &mut wrong
+        } else {
+            &mut wrong.0
+        };
+        let out = generate_speculative(
+            loaded.model.as_ref(),
+            &loaded.tokenizer,
+            &prompt,
+            &config(60, vec![], vec![]),
+            Speculation {
+                drafter,
+                max_draft: 6,
+                adaptive: true,
+                trace: None,
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(out.tokens, truth[..60].to_vec(), "always wrong: {always_wrong}");
+        let s = &out.speculative;
+        assert_eq!(s.acceptance_histogram.len(), 7);
+        assert_eq!(s.acceptance_histogram.iter().sum::<usize>(), s.target_forwards);
+        if always_wrong {
+            assert_eq!(s.accepted_tokens, 0);
+        }
+    }
+}
+
+/// The noisy oracle with every draft shifted by one id: nothing is ever accepted.
+struct ShiftedOracle(NoisyOracle);
+
+impl Drafter for ShiftedOracle {
+    fn name(&self) -> &str {
+        "shifted-oracle"
+    }
+    fn taps(&self) -> &[usize] {
+        self.0.taps()
+    }
+    fn begin(
+        &mut self,
+        target: &dyn TargetModel,
+        prompt: &[u32],
+        hidden: Option<&Array>,
+    ) -> ModelResult<()> {
+        self.0.begin(target, prompt, hidden)
+    }
+    fn propose(
+        &mut self,
+        target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        picker: &mut dyn TokenPicker,
+    ) -> ModelResult<Draft> {
+        let mut draft = self.0.propose(target, last, max_k, picker)?;
+        let vocab = self.0.vocab;
+        let truth = &self.0.truth;
+        let start = self.0.seen + 1;
+        for (i, t) in draft.tokens.iter_mut().enumerate() {
+            // Differ from the true token at this position, whatever the oracle did.
+            *t = (truth[start + i] + 1) % vocab;
+        }
+        Ok(draft)
+    }
+    fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
+        self.0.commit(verified, hidden)
     }
 }

@@ -175,6 +175,7 @@ fn sample_joint(
             Speculation {
                 drafter: &mut *drafter,
                 max_draft: 2,
+                adaptive: false,
                 trace: None,
             },
             &mut |_| {},

@@ -108,6 +108,7 @@ pub fn speculate(
         Speculation {
             drafter,
             max_draft,
+            adaptive: false,
             trace: trace.map(|t| t as &mut dyn std::io::Write),
         },
         &mut |_| {},

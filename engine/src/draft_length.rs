@@ -1,0 +1,247 @@
+//! How many tokens to draft each round (`--max-draft auto`), chosen from what rounds
+//! cost and how often drafts are kept.
+//!
+//! A round that drafts k tokens commits on average E(k) = 1 + α + … + α^k tokens, where
+//! α is the chance a draft is kept given the one before it was, and costs
+//! T(k) = draft(k) + verify(k + 1). The best k maximises E(k) / T(k). α, draft(k) and
+//! verify(w) are all measured as the generation goes: a GPU verify of 6 tokens may cost
+//! little more than one (then long drafts pay even at a modest α), while on a CPU it
+//! costs nearly 6× (then only a good drafter pays). The choice never affects *what* is
+//! generated (acceptance is lossless for every k), only how fast.
+
+/// Exponential forgetting per observation, so the estimates follow a text whose
+/// predictability changes (a code block, then prose).
+const DECAY: f64 = 0.9;
+/// Rounds that draft the maximum before the model is trusted.
+const WARMUP_ROUNDS: usize = 3;
+/// Every this many rounds, one round tries a neighbour of the best k, so both cost fits
+/// see more than one width and α keeps being measured when k = 0 looks best.
+const PROBE_EVERY: usize = 8;
+
+/// Least-squares line `y ≈ a + b·x` over decayed observations.
+#[derive(Debug, Clone, Default)]
+struct LineFit {
+    n: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl LineFit {
+    fn observe(&mut self, x: f64, y: f64) {
+        for s in [
+            &mut self.n,
+            &mut self.sx,
+            &mut self.sy,
+            &mut self.sxx,
+            &mut self.sxy,
+        ] {
+            *s *= DECAY;
+        }
+        self.n += 1.0;
+        self.sx += x;
+        self.sy += y;
+        self.sxx += x * x;
+        self.sxy += x * y;
+    }
+
+    /// The fitted value at `x`. With (nearly) one x seen so far the slope is unknown:
+    /// `through_origin` then scales the mean proportionally (draft cost ∝ tokens drafted),
+    /// otherwise the line is flat (a verify costs what the widths seen cost).
+    fn predict(&self, x: f64, through_origin: bool) -> Option<f64> {
+        if self.n < 1e-9 {
+            return None;
+        }
+        let (mx, my) = (self.sx / self.n, self.sy / self.n);
+        let var = self.sxx / self.n - mx * mx;
+        let y = if var > 0.05 {
+            let slope = ((self.sxy / self.n - mx * my) / var).max(0.0);
+            my + slope * (x - mx)
+        } else if through_origin && mx > 0.0 {
+            my / mx * x
+        } else {
+            my
+        };
+        Some(y.max(0.0))
+    }
+}
+
+/// The per-round draft length controller.
+#[derive(Debug, Clone)]
+pub struct DraftLength {
+    max: usize,
+    adaptive: bool,
+    /// Decayed counts of kept drafts and of first rejections.
+    kept: f64,
+    rejected: f64,
+    /// Seconds of drafting against tokens drafted (rounds with k > 0).
+    draft: LineFit,
+    /// Seconds of verifying against the verified width (k + 1).
+    verify: LineFit,
+    rounds: usize,
+}
+
+impl DraftLength {
+    /// `max` drafts a round; `adaptive` picks fewer when they do not pay.
+    pub fn new(max: usize, adaptive: bool) -> Self {
+        Self {
+            max,
+            adaptive,
+            kept: 0.0,
+            rejected: 0.0,
+            draft: LineFit::default(),
+            verify: LineFit::default(),
+            rounds: 0,
+        }
+    }
+
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// The measured chance that a draft is kept (Laplace-smoothed).
+    pub fn acceptance(&self) -> f64 {
+        (self.kept + 1.0) / (self.kept + self.rejected + 2.0)
+    }
+
+    /// Expected tokens committed by a round of `k` drafts, over its expected seconds;
+    /// `None` until both costs have been seen.
+    pub fn rate(&self, k: usize) -> Option<f64> {
+        let alpha = self.acceptance();
+        let tokens: f64 = (0..=k).map(|i| alpha.powi(i as i32)).sum();
+        let draft = if k == 0 {
+            0.0
+        } else {
+            self.draft.predict(k as f64, true)?
+        };
+        let verify = self.verify.predict((k + 1) as f64, false)?;
+        Some(tokens / (draft + verify).max(1e-9))
+    }
+
+    /// Drafts to ask for this round, at most `limit` (what may still be committed).
+    pub fn next(&self, limit: usize) -> usize {
+        let cap = self.max.min(limit);
+        if !self.adaptive || self.rounds < WARMUP_ROUNDS {
+            return cap;
+        }
+        let best = (0..=cap)
+            .filter_map(|k| self.rate(k).map(|r| (k, r)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map_or(cap, |(k, _)| k);
+        if self.rounds % PROBE_EVERY != 0 {
+            return best;
+        }
+        // A probe: one step up when there is room (k = 0 becomes 1, so α stays
+        // measured), else one step down.
+        if best < cap {
+            best + 1
+        } else {
+            best.saturating_sub(1)
+        }
+    }
+
+    /// What one round did: `drafted` tokens proposed (the drafter may give fewer than
+    /// asked), `kept` of them accepted, and the seconds drafting and verifying took.
+    pub fn observe(&mut self, drafted: usize, kept: usize, draft_seconds: f64, verify_seconds: f64) {
+        self.rounds += 1;
+        if drafted > 0 {
+            self.kept = self.kept * DECAY + kept as f64;
+            self.rejected = self.rejected * DECAY + f64::from(u8::from(kept < drafted));
+            self.draft.observe(drafted as f64, draft_seconds);
+        }
+        self.verify.observe((drafted + 1) as f64, verify_seconds);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `rounds` simulated rounds in which each draft is kept with chance `alpha`
+    /// (given the one before was; a fixed pseudo-random stream), drafting costs `draft_s`
+    /// a token and a verify of width w costs `verify(w)`; returns the lengths chosen.
+    fn simulate(
+        max: usize,
+        rounds: usize,
+        alpha: f64,
+        draft_s: f64,
+        verify: impl Fn(usize) -> f64,
+    ) -> Vec<usize> {
+        let mut control = DraftLength::new(max, true);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut uniform = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut chosen = Vec::new();
+        for _ in 0..rounds {
+            let k = control.next(usize::MAX);
+            chosen.push(k);
+            let kept = (0..k).take_while(|_| uniform() < alpha).count();
+            control.observe(k, kept, draft_s * k as f64, verify(k + 1));
+        }
+        chosen
+    }
+
+    fn most_common(ks: &[usize]) -> usize {
+        let mut counts = std::collections::BTreeMap::new();
+        for &k in ks {
+            *counts.entry(k).or_insert(0) += 1;
+        }
+        counts.into_iter().max_by_key(|&(_, c)| c).map_or(0, |(k, _)| k)
+    }
+
+    #[test]
+    fn good_drafts_and_a_flat_verify_draft_the_maximum() {
+        let ks = simulate(6, 60, 1.0, 0.0005, |_| 0.01);
+        assert_eq!(most_common(&ks[20..]), 6, "{ks:?}");
+    }
+
+    #[test]
+    fn drafts_that_are_never_kept_stop_being_drafted() {
+        // Each draft costs half a verify and is never kept: plain steps (k = 0) win,
+        // with the occasional probe of one draft.
+        let ks = simulate(6, 80, 0.0, 0.005, |w| 0.01 + 0.0001 * w as f64);
+        let tail = &ks[30..];
+        assert_eq!(most_common(tail), 0, "{ks:?}");
+        assert!(tail.iter().all(|&k| k <= 1), "{ks:?}");
+        assert!(tail.contains(&1), "probes keep measuring acceptance: {ks:?}");
+    }
+
+    #[test]
+    fn a_verify_that_grows_with_width_shortens_the_drafts() {
+        // Free drafts kept 70% of the time. A flat verify (a GPU's) makes every extra
+        // draft free: the maximum. A verify costing 5× more per position than its fixed
+        // part (a CPU's) makes a long block cost more than its expected gain.
+        let flat = simulate(8, 120, 0.7, 0.0, |_| 0.01);
+        let steep = simulate(8, 120, 0.7, 0.0, |w| 0.002 + 0.01 * w as f64);
+        assert_eq!(most_common(&flat[40..]), 8, "{flat:?}");
+        assert!(most_common(&steep[40..]) <= 2, "{steep:?}");
+    }
+
+    #[test]
+    fn fixed_length_is_the_maximum_within_the_limit() {
+        let mut control = DraftLength::new(5, false);
+        control.observe(5, 0, 1.0, 1.0);
+        assert_eq!(control.next(usize::MAX), 5);
+        assert_eq!(control.next(3), 3);
+        assert_eq!(control.next(0), 0);
+    }
+
+    #[test]
+    fn the_line_fit_recovers_a_line_and_falls_back_sensibly() {
+        let mut fit = LineFit::default();
+        for w in 1..=6 {
+            fit.observe(w as f64, 2.0 + 3.0 * w as f64);
+        }
+        assert!((fit.predict(10.0, false).unwrap() - 32.0).abs() < 1e-6);
+        let mut one_width = LineFit::default();
+        one_width.observe(4.0, 8.0);
+        assert!((one_width.predict(2.0, true).unwrap() - 4.0).abs() < 1e-9);
+        assert!((one_width.predict(2.0, false).unwrap() - 8.0).abs() < 1e-9);
+        assert!(LineFit::default().predict(1.0, false).is_none());
+    }
+}
