@@ -21,6 +21,7 @@ Usage (on a machine where `import mlx_lm` works, e.g. the GPU box):
 
 import argparse
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import time
 
 
 def run_dspec_bench(dspec, target, drafter, max_draft, max_tokens, extra):
+    """`max_draft`: a count, or `auto` (dspec picks each round's length)."""
     cmd = [dspec, "bench", "--target", target, "--drafter", drafter,
            "--max-draft", str(max_draft), "--max-tokens", str(max_tokens), "--json", *extra]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
@@ -81,32 +83,40 @@ def mlx_lm_view(model_dir):
     return view
 
 
-def run_mlx_lm(target, draft, prompts, max_tokens, num_draft):
-    # mlx-lm's verify step hands MLX's CUDA attention a new key length every round, and
-    # MLX builds (and caches) a cuDNN plan per shape: past 512 misses MLX 0.32.2 aborts
-    # with "Cache thrashing". A larger plan cache keeps mlx-lm's speculative decoding
-    # running (each round still pays for a new plan).
-    os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "65536")
-    from mlx_lm import load, stream_generate
-    from mlx_lm.sample_utils import make_sampler
+class MlxLm:
+    """mlx-lm with the target and draft loaded once, warmed up on the first prompt."""
 
-    model, tokenizer = load(mlx_lm_view(target))
-    draft_model, _ = load(mlx_lm_view(draft))
-    greedy = make_sampler(temp=0.0)
-    # Warm-up: kernels, graph caches and allocations of both paths.
-    warm = max(8, min(32, max_tokens))
-    mlx_lm_generate(stream_generate, model, tokenizer, prompts[0], warm, greedy)
-    mlx_lm_generate(stream_generate, model, tokenizer, prompts[0], warm, greedy,
-                    draft_model, num_draft)
-    rows = []
-    for ids in prompts:
-        plain, plain_tps, _ = mlx_lm_generate(stream_generate, model, tokenizer, ids,
-                                              max_tokens, greedy)
-        spec, spec_tps, tau = mlx_lm_generate(stream_generate, model, tokenizer, ids,
-                                              max_tokens, greedy, draft_model, num_draft)
-        rows.append({"plain_tokens": plain, "plain_tps": plain_tps,
-                     "spec_tokens": spec, "spec_tps": spec_tps, "tau": tau})
-    return rows
+    def __init__(self, target, draft, warm_prompt, max_tokens, num_draft):
+        # mlx-lm's verify step hands MLX's CUDA attention a new key length every round,
+        # and MLX builds (and caches) a cuDNN plan per shape: past 512 misses MLX 0.32.2
+        # aborts with "Cache thrashing". A larger plan cache keeps mlx-lm's speculative
+        # decoding running (each round still pays for a new plan).
+        os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "65536")
+        from mlx_lm import load, stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        self.stream_generate = stream_generate
+        self.model, self.tokenizer = load(mlx_lm_view(target))
+        self.draft, _ = load(mlx_lm_view(draft))
+        self.greedy = make_sampler(temp=0.0)
+        self.max_tokens, self.num_draft = max_tokens, num_draft
+        warm = max(8, min(32, max_tokens))
+        self.generate(warm_prompt, warm, speculative=False)
+        self.generate(warm_prompt, warm, speculative=True)
+
+    def generate(self, ids, max_tokens, speculative):
+        draft = self.draft if speculative else None
+        return mlx_lm_generate(self.stream_generate, self.model, self.tokenizer, ids,
+                               max_tokens, self.greedy, draft, self.num_draft)
+
+    def run(self, prompts):
+        rows = []
+        for ids in prompts:
+            plain, plain_tps, _ = self.generate(ids, self.max_tokens, speculative=False)
+            spec, spec_tps, tau = self.generate(ids, self.max_tokens, speculative=True)
+            rows.append({"plain_tokens": plain, "plain_tps": plain_tps,
+                         "spec_tokens": spec, "spec_tps": spec_tps, "tau": tau})
+        return rows
 
 
 def strip_eos(tokens, eos_ids):
@@ -121,6 +131,51 @@ def same_greedy(a, b, max_tokens):
     if len(a) != len(b) and max(len(a), len(b)) < max_tokens - 1:
         return n
     return None
+
+
+def one_pass(args, dm, ng, auto, peer):
+    """Table lines of one pass: decode tok/s over all prompts, tau, equality with the
+    pass's dspec greedy output."""
+    eos = set()
+    for r in dm["rows"]:
+        if r["plain"].get("stop_reason") == "eos" and r["tokens"]:
+            eos.add(r["tokens"][-1])
+    reference = [strip_eos(r["tokens"], eos) for r in dm["rows"]]
+    lines = []
+
+    def add(engine, mode, rows, tps_of, n_of, tau, diffs):
+        rate = aggregate([(tps_of(r), n_of(r)) for r in rows])
+        lines.append({"engine": engine, "mode": mode, "tokens_per_second": rate, "tau": tau,
+                      "identical_to_dspec_greedy": all(d is None for d in diffs),
+                      "first_differences": diffs,
+                      "per_prompt_tokens_per_second": [tps_of(r) for r in rows]})
+
+    def decoded(stats):
+        return max(stats["generated_tokens"] - 1, 0)
+
+    add("dspec", "greedy", dm["rows"], lambda r: r["plain"]["decode_tokens_per_second"],
+        lambda r: decoded(r["plain"]), None, [None] * len(dm["rows"]))
+    # `dspec bench` compares its speculative output with its greedy output itself.
+    modes = [(dm, f"speculative, draft model k={args.max_draft}"),
+             (ng, f"speculative, n-gram k={args.ngram_draft}")]
+    if auto is not None:
+        modes.append((auto, "speculative, draft model k=auto"))
+    for report, mode in modes:
+        add("dspec", mode, report["rows"],
+            lambda r: r["speculative"]["decode_tokens_per_second"],
+            lambda r: decoded(r["speculative"]), report["tau"],
+            [r["first_difference"] for r in report["rows"]])
+    if peer is not None:
+        def diffs(key):
+            return [same_greedy(r[key], ref, args.max_tokens)
+                    for r, ref in zip(peer, reference)]
+        taus = [r["tau"] for r in peer if r["tau"]]
+        add("mlx-lm", "greedy", peer, lambda r: r["plain_tps"],
+            lambda r: max(len(r["plain_tokens"]) - 1, 0), None, diffs("plain_tokens"))
+        add("mlx-lm", f"speculative, draft model k={args.max_draft}", peer,
+            lambda r: r["spec_tps"], lambda r: max(len(r["spec_tokens"]) - 1, 0),
+            sum(taus) / len(taus) if taus else None, diffs("spec_tokens"))
+    return lines
 
 
 def weight_bytes(model_dir):
@@ -149,53 +204,58 @@ def main():
                     help="GPU memory bandwidth for the physical limit (H100 SXM: 3350)")
     ap.add_argument("--json-out")
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--passes", type=int, default=3,
+                    help="alternating passes of both engines; lines report the median")
+    ap.add_argument("--no-auto", action="store_true",
+                    help="skip dspec's adaptive draft length (--max-draft auto) line")
     ap.add_argument("--dspec-arg", action="append", default=[],
                     help="extra argument for both dspec runs (repeatable)")
     args = ap.parse_args()
 
-    dm = run_dspec_bench(args.dspec, args.target, f"model:{args.draft}", args.max_draft,
-                         args.max_tokens, args.dspec_arg)
-    ng = run_dspec_bench(args.dspec, args.target, "ngram", args.ngram_draft,
-                         args.max_tokens, args.dspec_arg)
-    prompts = [r["prompt_ids"] for r in dm["rows"]]
-    eos = set()
-    for r in dm["rows"]:
-        if r["plain"].get("stop_reason") == "eos" and r["tokens"]:
-            eos.add(r["tokens"][-1])
-    reference = [strip_eos(r["tokens"], eos) for r in dm["rows"]]
+    def run_dspec():
+        dm = run_dspec_bench(args.dspec, args.target, f"model:{args.draft}", args.max_draft,
+                             args.max_tokens, args.dspec_arg)
+        ng = run_dspec_bench(args.dspec, args.target, "ngram", args.ngram_draft,
+                             args.max_tokens, args.dspec_arg)
+        auto = None if args.no_auto else run_dspec_bench(
+            args.dspec, args.target, f"model:{args.draft}", "auto", args.max_tokens,
+            args.dspec_arg)
+        return dm, ng, auto
 
-    peer = None if args.skip_mlx_lm else run_mlx_lm(args.target, args.draft, prompts,
-                                                      args.max_tokens, args.max_draft)
-
-    def n_decoded(tokens):
-        return max(len(tokens) - 1, 0)
+    # Passes alternate which engine goes first, so neither gains from the machine
+    # warming up (GPU clocks, page cache); each line reports its median over passes.
+    passes = []
+    peer_engine = None
+    for p in range(args.passes):
+        dspec_first = p % 2 == 0 or peer_engine is None
+        if dspec_first:
+            dm, ng, auto = run_dspec()
+        if not args.skip_mlx_lm and peer_engine is None:
+            prompts0 = [r["prompt_ids"] for r in dm["rows"]]
+            peer_engine = MlxLm(args.target, args.draft, prompts0[0], args.max_tokens,
+                                args.max_draft)
+        peer = peer_engine.run([r["prompt_ids"] for r in dm["rows"]]) if peer_engine else None
+        if not dspec_first:
+            dm, ng, auto = run_dspec()
+        passes.append(one_pass(args, dm, ng, auto, peer))
+        if args.json_out:
+            # Written after every pass too, so a run cut short still leaves its passes.
+            with open(args.json_out, "w") as f:
+                json.dump({"partial": True, "pass_lines": passes}, f, indent=1)
+        print(f"pass {p + 1}: " + ", ".join(
+            f"{l['engine']} {l['mode']} {l['tokens_per_second']:.1f}" for l in passes[-1]),
+            file=sys.stderr, flush=True)
 
     lines = []
-
-    def add(engine, mode, rows, tps_of, tau, tokens_of):
-        rate = aggregate([(tps_of(r), n_decoded(tokens_of(r))) for r in rows])
-        diffs = [same_greedy(tokens_of(r), ref, args.max_tokens)
-                 for r, ref in zip(rows, reference)]
-        lines.append({"engine": engine, "mode": mode, "tokens_per_second": rate, "tau": tau,
-                      "identical_to_dspec_greedy": all(d is None for d in diffs),
-                      "first_differences": diffs,
-                      "per_prompt_tokens_per_second": [tps_of(r) for r in rows]})
-
-    add("dspec", "greedy", dm["rows"], lambda r: r["plain"]["decode_tokens_per_second"],
-        None, lambda r: strip_eos(r["tokens"], eos))
-    add("dspec", f"speculative, draft model k={args.max_draft}", dm["rows"],
-        lambda r: r["speculative"]["decode_tokens_per_second"], dm["tau"],
-        lambda r: strip_eos(r["tokens"], eos) if r["identical"] else [])
-    add("dspec", f"speculative, n-gram k={args.ngram_draft}", ng["rows"],
-        lambda r: r["speculative"]["decode_tokens_per_second"], ng["tau"],
-        lambda r: strip_eos(r["tokens"], eos) if r["identical"] else [])
-    if peer is not None:
-        taus = [r["tau"] for r in peer if r["tau"]]
-        add("mlx-lm", "greedy", peer, lambda r: r["plain_tps"], None,
-            lambda r: r["plain_tokens"])
-        add("mlx-lm", f"speculative, draft model k={args.max_draft}", peer,
-            lambda r: r["spec_tps"], sum(taus) / len(taus) if taus else None,
-            lambda r: r["spec_tokens"])
+    for i, first in enumerate(passes[0]):
+        rates = [pl[i]["tokens_per_second"] for pl in passes]
+        line = dict(first)
+        line["tokens_per_second"] = statistics.median(rates)
+        line["pass_tokens_per_second"] = rates
+        line["identical_to_dspec_greedy"] = all(pl[i]["identical_to_dspec_greedy"]
+                                                for pl in passes)
+        lines.append(line)
+    prompts = [r["prompt_ids"] for r in dm["rows"]]
 
     by = {(l["engine"], l["mode"]): l["tokens_per_second"] for l in lines}
     mlx_greedy = by.get(("mlx-lm", "greedy"))
@@ -208,7 +268,7 @@ def main():
           f"weights / {args.hbm_gbps:.0f} GB/s = {limit:.0f} tok/s")
     header = f"{'engine':<7} {'mode':<34} {'tok/s':>8} {'tau':>5} {'vs mlx-lm greedy':>17} " \
              f"{'vs mlx-lm spec':>15}  greedy output vs dspec greedy"
-    print(header)
+    print(header + f"   (median of {args.passes} passes)")
     for l in lines:
         tau = f"{l['tau']:.2f}" if l["tau"] else "-"
         vs_g = f"{l['tokens_per_second'] / mlx_greedy:.2f}x" if mlx_greedy else "-"
@@ -218,8 +278,10 @@ def main():
         print(f"{l['engine']:<7} {l['mode']:<34} {l['tokens_per_second']:>8.1f} {tau:>5} "
               f"{vs_g:>17} {vs_s:>15}  {same}")
     record = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
-              "physical_limit_tokens_per_second": limit, "lines": lines,
-              "dspec_draft_model": dm, "dspec_ngram": ng, "mlx_lm": peer}
+              "passes": args.passes, "physical_limit_tokens_per_second": limit,
+              "lines": lines, "pass_lines": passes,
+              "last_pass": {"dspec_draft_model": dm, "dspec_ngram": ng, "dspec_auto": auto,
+                            "mlx_lm": peer}}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(record, f, indent=1)

@@ -28,7 +28,10 @@ def main():
     config = AutoConfig.from_pretrained(args.config_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config)
+    # Cast after building: the dtype keyword of from_config changed name across
+    # transformers releases, and an ignored one would silently save f32 weights.
+    model = model.to(torch.bfloat16)
     model.save_pretrained(args.out_dir, safe_serialization=True, max_shard_size="8GB")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         src = os.path.join(args.config_dir, name)
