@@ -109,6 +109,8 @@ impl Drafter for DraftModelDrafter {
             let mut ids = Vec::with_capacity(max_k);
             let mut next = argmax_axis(&self.step(&first)?, -1, false)?.as_dtype(Dtype::Uint32)?;
             for _ in 1..max_k {
+                // Start each step on the device while the host builds the next one.
+                mlx_rs::transforms::async_eval([&next])?;
                 ids.push(next.clone());
                 let fed = next.reshape(&[1, 1])?;
                 next = argmax_axis(&self.step(&fed)?, -1, false)?.as_dtype(Dtype::Uint32)?;

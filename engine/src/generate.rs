@@ -17,8 +17,9 @@ use crate::sampling::{Sampler, SamplingParams};
 use crate::stop::StopMatcher;
 use crate::tokenizer::TextTokenizer;
 
-/// Prompts longer than this are prefilled in chunks to bound peak memory.
-const PREFILL_CHUNK: usize = 512;
+/// Prompts longer than this are prefilled in chunks to bound peak memory; the same
+/// step as mlx-lm's default `prefill_step_size`, so long prompts round as they do there.
+const PREFILL_CHUNK: usize = 2048;
 
 #[derive(Debug, Clone)]
 pub struct GenerationConfig {
@@ -99,30 +100,36 @@ pub fn prefill_with_taps(
     prompt: &[u32],
     taps: &[usize],
 ) -> Result<(Array, Option<Array>), EngineError> {
-    if prompt.is_empty() {
+    let Some((&final_token, head)) = prompt.split_last() else {
         return Err(EngineError::EmptyPrompt);
-    }
-    let mut last = None;
+    };
+    // All but the last token fill the cache (and the taps) only: their logits are never
+    // evaluated, so the vocabulary projection of the prompt is never computed.
     let mut hidden = Vec::new();
-    for chunk in prompt.chunks(PREFILL_CHUNK) {
+    for chunk in head.chunks(PREFILL_CHUNK) {
         let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
         let out = model.forward(&tokens, cache, taps)?;
-        let logits = out.logits.try_index((.., -1, ..))?;
         // Evaluate per chunk so the graph (and activations) of a long prompt stay small.
-        mlx_rs::transforms::eval(
-            std::iter::once(&logits)
-                .chain(out.hidden.iter())
-                .chain(cache.state()),
-        )?;
+        mlx_rs::transforms::eval(out.hidden.iter().chain(cache.state()))?;
         hidden.extend(out.hidden);
-        last = Some(logits);
     }
+    // The last prompt token goes through the one-token step, as every later token does
+    // (and as mlx-lm does): its keys and values come from the same kernels as a decoded
+    // token's, so on a GPU the first tokens round exactly as mlx-lm's do.
+    let out = model.forward(&Array::from_slice(&[final_token], &[1, 1]), cache, taps)?;
+    let logits = out.logits.try_index((.., -1, ..))?;
+    mlx_rs::transforms::eval(
+        std::iter::once(&logits)
+            .chain(out.hidden.iter())
+            .chain(cache.state()),
+    )?;
+    hidden.extend(out.hidden);
     let hidden = if hidden.is_empty() {
         None
     } else {
         Some(mlx_rs::ops::concatenate(&hidden, 1)?)
     };
-    Ok((last.ok_or(EngineError::EmptyPrompt)?, hidden))
+    Ok((logits, hidden))
 }
 
 /// Logits `[1, vocab]` → host `f32` values for sampling.

@@ -12,41 +12,12 @@ use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer
 use dspec_engine::gguf::GgufFile;
 use dspec_engine::tokenizer::TextTokenizer;
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// Runs scripts/fetch-models.sh for `name` (cached after the first run) and returns
-/// (gguf file, converted dir).
-fn fetch(name: &str) -> (PathBuf, PathBuf) {
-    let run = |extra: &[&str]| -> PathBuf {
-        let out = Command::new("bash")
-            .arg(repo_root().join("scripts/fetch-models.sh"))
-            .args(extra)
-            .arg(name)
-            .env("DSPEC", env!("CARGO_BIN_EXE_dspec"))
-            .current_dir(repo_root())
-            .output()
-            .expect("run fetch-models.sh");
-        assert!(
-            out.status.success(),
-            "fetch-models.sh {name} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        PathBuf::from(
-            String::from_utf8_lossy(&out.stdout)
-                .trim()
-                .lines()
-                .last()
-                .unwrap_or_default(),
-        )
-    };
-    (run(&["--gguf-only"]), run(&[]))
-}
+mod common;
+use common::fetch_real_model;
 
 fn smollm2() -> &'static (PathBuf, PathBuf) {
     static MODEL: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
-    MODEL.get_or_init(|| fetch("smollm2"))
+    MODEL.get_or_init(|| fetch_real_model("smollm2"))
 }
 
 fn generate(dir: &Path, prompt: &str, max_tokens: &str, extra: &[&str]) -> String {
@@ -206,8 +177,8 @@ fn qwen_coder_pair_converts_and_answers() {
         eprintln!("skipped: set DSPEC_HEAVY_TESTS=1 to fetch and run the Qwen2.5-Coder 0.5B/1.5B pair (1.6 GB)");
         return;
     }
-    let (_, small) = fetch("qwen05");
-    let (_, large) = fetch("qwen15");
+    let (_, small) = fetch_real_model("qwen05");
+    let (_, large) = fetch_real_model("qwen15");
     let a = std::fs::read(small.join("tokenizer.json")).unwrap();
     let b = std::fs::read(large.join("tokenizer.json")).unwrap();
     assert!(a == b, "the pair shares one tokenizer");

@@ -1,5 +1,5 @@
-//! Scoring and LoRA on the real SmolLM2-135M-Instruct, when scripts/fetch-models.sh
-//! has already converted it (skipped otherwise: this file never downloads).
+//! Scoring and LoRA on the real SmolLM2-135M-Instruct (scripts/fetch-models.sh fetches
+//! and converts it once; later runs use the cache).
 
 use std::path::PathBuf;
 
@@ -10,31 +10,17 @@ use dspec_engine::loading::{builtin_registry, load_model_with_lora};
 use dspec_engine::scoring::{Scorer, ScorerAdapter, Variant, Windowing};
 use dspec_plugin_api::LoadOptions;
 
-/// The converted model's directory, where fetch-models.sh caches it.
-fn smollm2() -> Option<PathBuf> {
-    let models = std::env::var_os("DSPEC_MODELS_DIR")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("dspec/models"))
-        })
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/dspec/models"))
-        })?;
-    let dir = models.join("smollm2");
-    if dir.join("config.json").is_file() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "skipped: {} not found; run scripts/fetch-models.sh smollm2",
-            dir.display()
-        );
-        None
-    }
+mod common;
+use common::fetch_real_model;
+
+/// The converted SmolLM2 (fetched and converted on first use, cached after).
+fn smollm2() -> PathBuf {
+    fetch_real_model("smollm2").1
 }
 
 #[test]
 fn smollm2_finds_paris_far_more_likely_than_berlin() {
-    let Some(dir) = smollm2() else { return };
+    let dir = smollm2();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspec"))
         .args(["score", "--target", dir.to_str().unwrap(), "--input"])
         .arg(write_requests())
@@ -78,7 +64,7 @@ fn write_requests() -> PathBuf {
 
 #[test]
 fn smollm2_with_a_random_lora_switches_between_base_and_adapted() {
-    let Some(dir) = smollm2() else { return };
+    let dir = smollm2();
     // q_proj and v_proj of every layer: hidden 576, 9×64 query heads, 3×64 KV heads.
     let adapter = tempfile::tempdir().expect("temp dir");
     let mut tensors = Vec::new();

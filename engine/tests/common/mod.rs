@@ -3,7 +3,8 @@
 //! binary includes this with `mod common;` and uses what it needs.
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use dspec_engine::generate::{generate, GenerationConfig};
 use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
@@ -114,4 +115,37 @@ pub fn speculate(
         &mut |_| {},
     )
     .expect("speculative generation")
+}
+
+/// A real model fetched, checked and converted by scripts/fetch-models.sh with this
+/// build's `dspec convert` (cached after the first run): (gguf file, converted dir).
+pub fn fetch_real_model(name: &str) -> (PathBuf, PathBuf) {
+    // Tests of one binary run in parallel: one fetch at a time, so a first download
+    // and conversion is never raced by a second.
+    static FETCHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = FETCHING.lock().unwrap_or_else(|e| e.into_inner());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let run = |extra: &[&str]| -> PathBuf {
+        let out = Command::new("bash")
+            .arg(root.join("scripts/fetch-models.sh"))
+            .args(extra)
+            .arg(name)
+            .env("DSPEC", env!("CARGO_BIN_EXE_dspec"))
+            .current_dir(&root)
+            .output()
+            .expect("run fetch-models.sh");
+        assert!(
+            out.status.success(),
+            "fetch-models.sh {name} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(
+            String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .lines()
+                .last()
+                .unwrap_or_default(),
+        )
+    };
+    (run(&["--gguf-only"]), run(&[]))
 }
