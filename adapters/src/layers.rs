@@ -576,9 +576,8 @@ impl Activation {
     /// so compiling per call would trace and fuse the graph again on every layer of every
     /// step (measured: an eighth of all host instructions of a decode step).
     fn gated(self, gate: &Array, up: &Array) -> Result<Array> {
-        type Gated = Box<
-            dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>,
-        >;
+        type Gated =
+            Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
         fn silu((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
             g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
         }

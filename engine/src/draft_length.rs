@@ -143,7 +143,13 @@ impl DraftLength {
 
     /// What one round did: `drafted` tokens proposed (the drafter may give fewer than
     /// asked), `kept` of them accepted, and the seconds drafting and verifying took.
-    pub fn observe(&mut self, drafted: usize, kept: usize, draft_seconds: f64, verify_seconds: f64) {
+    pub fn observe(
+        &mut self,
+        drafted: usize,
+        kept: usize,
+        draft_seconds: f64,
+        verify_seconds: f64,
+    ) {
         self.rounds += 1;
         if drafted > 0 {
             self.kept = self.kept * DECAY + kept as f64;
@@ -191,7 +197,10 @@ mod tests {
         for &k in ks {
             *counts.entry(k).or_insert(0) += 1;
         }
-        counts.into_iter().max_by_key(|&(_, c)| c).map_or(0, |(k, _)| k)
+        counts
+            .into_iter()
+            .max_by_key(|&(_, c)| c)
+            .map_or(0, |(k, _)| k)
     }
 
     #[test]
@@ -208,7 +217,10 @@ mod tests {
         let tail = &ks[30..];
         assert_eq!(most_common(tail), 0, "{ks:?}");
         assert!(tail.iter().all(|&k| k <= 1), "{ks:?}");
-        assert!(tail.contains(&1), "probes keep measuring acceptance: {ks:?}");
+        assert!(
+            tail.contains(&1),
+            "probes keep measuring acceptance: {ks:?}"
+        );
     }
 
     #[test]

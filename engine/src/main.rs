@@ -255,7 +255,12 @@ const AUTO_MAX_DRAFT: usize = 8;
 
 fn parse_draft_length(s: &str) -> std::result::Result<DraftLengthArg, String> {
     let (adaptive, count) = match s.strip_prefix("auto") {
-        Some("") => return Ok(DraftLengthArg { max: AUTO_MAX_DRAFT, adaptive: true }),
+        Some("") => {
+            return Ok(DraftLengthArg {
+                max: AUTO_MAX_DRAFT,
+                adaptive: true,
+            })
+        }
         Some(rest) => match rest.strip_prefix(':') {
             Some(n) => (true, n),
             None => (false, s),

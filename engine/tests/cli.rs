@@ -457,7 +457,15 @@ fn ngram_drafter_gives_the_greedy_text_and_reports_tau() {
     assert_eq!(histogram.len(), 4, "{auto}");
     for bad in ["0", "auto:0", "many", "auto3"] {
         let out = dspec(&[
-            "generate", "--target", m, "--prompt", "x", "--drafter", "ngram", "--max-draft", bad,
+            "generate",
+            "--target",
+            m,
+            "--prompt",
+            "x",
+            "--drafter",
+            "ngram",
+            "--max-draft",
+            bad,
         ]);
         assert_eq!(out.status.code(), Some(2), "clap rejects --max-draft {bad}");
         assert!(stderr(&out).contains("--max-draft"), "{}", stderr(&out));

@@ -318,10 +318,17 @@ fn adaptive_draft_length_keeps_greedy_output() {
             &mut |_| {},
         )
         .unwrap();
-        assert_eq!(out.tokens, truth[..60].to_vec(), "always wrong: {always_wrong}");
+        assert_eq!(
+            out.tokens,
+            truth[..60].to_vec(),
+            "always wrong: {always_wrong}"
+        );
         let s = &out.speculative;
         assert_eq!(s.acceptance_histogram.len(), 7);
-        assert_eq!(s.acceptance_histogram.iter().sum::<usize>(), s.target_forwards);
+        assert_eq!(
+            s.acceptance_histogram.iter().sum::<usize>(),
+            s.target_forwards
+        );
         if always_wrong {
             assert_eq!(s.accepted_tokens, 0);
         }
