@@ -21,8 +21,8 @@ Usage (on a machine where `import mlx_lm` works, e.g. the GPU box):
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -51,7 +51,7 @@ def mlx_lm_generate(stream_generate, model, tokenizer, prompt_ids, max_tokens, s
     kwargs = {"max_tokens": max_tokens, "sampler": sampler}
     if draft is not None:
         kwargs.update(draft_model=draft, num_draft_tokens=num_draft)
-    tokens, from_draft, times = [], 0, []
+    tokens, from_draft, times, last_from_draft = [], 0, [], False
     for r in stream_generate(model, tokenizer, mx.array(prompt_ids), **kwargs):
         # The last response repeats the last token (or carries the EOS that ended it).
         if r.finish_reason is not None and tokens and r.generation_tokens == len(tokens):
@@ -60,9 +60,12 @@ def mlx_lm_generate(stream_generate, model, tokenizer, prompt_ids, max_tokens, s
             break
         tokens.append(int(r.token))
         from_draft += bool(r.from_draft)
+        last_from_draft = bool(r.from_draft)
         times.append(time.perf_counter())
     tps = (len(tokens) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-    rounds = len(tokens) - from_draft
+    # Each verify yields one token of the target's own, except a last round cut short by
+    # max_tokens, which ends on drafts: count it too, as dspec counts its forwards.
+    rounds = len(tokens) - from_draft + int(last_from_draft)
     tau = len(tokens) / rounds if draft is not None and rounds else None
     return tokens, tps, tau
 

@@ -35,6 +35,19 @@ struct NoisyOracle {
     hidden_checks: usize,
 }
 
+impl NoisyOracle {
+    /// An oracle for the tiny targets' 259-token vocabulary, before any round.
+    fn new(truth: &[u32]) -> Self {
+        NoisyOracle {
+            truth: truth.to_vec(),
+            seen: 0,
+            round: 0,
+            vocab: 259,
+            hidden_checks: 0,
+        }
+    }
+}
+
 impl Drafter for NoisyOracle {
     fn name(&self) -> &str {
         "noisy-oracle"
@@ -107,13 +120,7 @@ fn noisy_oracle_speculation_equals_greedy_with_every_acceptance_length() {
             .encode_prompt("speculate on this", false)
             .unwrap();
         let truth = greedy(&loaded, &prompt, 60);
-        let mut drafter = NoisyOracle {
-            truth: truth.clone(),
-            seen: 0,
-            round: 0,
-            vocab: 259,
-            hidden_checks: 0,
-        };
+        let mut drafter = NoisyOracle::new(&truth);
         let out = generate_speculative(
             loaded.model.as_ref(),
             &loaded.tokenizer,
@@ -148,13 +155,7 @@ fn eos_and_max_tokens_inside_an_accepted_block_stop_like_plain_decoding() {
         .unwrap();
     let truth = greedy(&loaded, &prompt, 40);
     // The oracle corrupts one draft in most rounds; stops must still land exactly.
-    let oracle = || NoisyOracle {
-        truth: truth.clone(),
-        seen: 0,
-        round: 0,
-        vocab: 259,
-        hidden_checks: 0,
-    };
+    let oracle = || NoisyOracle::new(&truth);
 
     for max_tokens in [1, 2, 7, 13] {
         let mut d = oracle();
@@ -223,13 +224,7 @@ fn stop_strings_inside_a_block_cut_the_text_like_plain_decoding() {
         &mut |_| {},
     )
     .unwrap();
-    let mut d = NoisyOracle {
-        truth: truth.clone(),
-        seen: 0,
-        round: 0,
-        vocab: 259,
-        hidden_checks: 0,
-    };
+    let mut d = NoisyOracle::new(&truth);
     let mut streamed = String::new();
     let out = generate_speculative(
         loaded.model.as_ref(),
@@ -291,26 +286,18 @@ fn adaptive_draft_length_keeps_greedy_output() {
         .encode_prompt("adapt the draft length", false)
         .unwrap();
     let truth = greedy(&loaded, &prompt, 70);
-    for always_wrong in [false, true] {
-        let mut wrong = ShiftedOracle(NoisyOracle {
-            truth: truth.clone(),
-            seen: 0,
-            round: 0,
-            vocab: 259,
-            hidden_checks: 0,
-        });
-        let drafter: &mut dyn Drafter = if always_wrong {
-            &mut wrong
-        } else {
-            &mut wrong.0
-        };
+    let drafters: [(bool, Box<dyn Drafter>); 2] = [
+        (false, Box::new(NoisyOracle::new(&truth))),
+        (true, Box::new(ShiftedOracle(NoisyOracle::new(&truth)))),
+    ];
+    for (always_wrong, mut drafter) in drafters {
         let out = generate_speculative(
             loaded.model.as_ref(),
             &loaded.tokenizer,
             &prompt,
             &config(60, vec![], vec![]),
             Speculation {
-                drafter,
+                drafter: drafter.as_mut(),
                 max_draft: 6,
                 adaptive: true,
                 trace: None,
