@@ -28,13 +28,14 @@ import sys
 import time
 
 
-def run_dspec_bench(dspec, target, drafter, max_draft, max_tokens, extra):
-    """`max_draft`: a count, or `auto` (dspec picks each round's length)."""
+def run_dspec_bench(dspec, target, drafter, max_draft, max_tokens, extra, env=None):
+    """`max_draft`: a count, or `auto` (dspec picks each round's length); `env`: the
+    child's environment (default: this one)."""
     cmd = [dspec, "bench", "--target", target, "--drafter", drafter,
            "--max-draft", str(max_draft), "--max-tokens", str(max_tokens), "--json", *extra]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     # `dspec bench` exits non-zero when greedy outputs differ, after printing its report.
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.stderr.strip():
         print(out.stderr.strip(), file=sys.stderr)
     try:

@@ -5,12 +5,15 @@
 #   .gpu/bench/      dspec.xz (a stripped, xz-compressed release binary) and qwen05/,
 #                    qwen15/ (config.json + tokenizer files of Qwen2.5-Coder 0.5B/1.5B)
 #   .whl/            the mlx==0.32.2 (cp312) and mlx-lm==0.32.2 wheels
-# Weights are random, of the real shapes, written on the GPU by random_weights.py:
-# decode speed depends on shapes, and 1.6 GB of real weights would take ~27 transfers.
-# Random models agree with each other no more than chance, so the draft model's tau is
-# ~1 there (n-gram lookup still finds the loops random models fall into).
+# Models: $MODELS/qwen15 and $MODELS/qwen05 (default /tmp/models). Where they are
+# missing, weights are random, of the real shapes, written on the GPU by
+# random_weights.py: decode speed depends on shapes, not values. Random models agree
+# with each other no more than chance, so the draft model's tau is ~1 there (n-gram
+# lookup still finds the loops random models fall into); real weights (converted GGUF
+# carried in parts, see the README) give the real tau and output comparison.
 # Results: $OUT/bench.json, $OUT/bench.log.   Usage: bash scripts/gpu-bench.sh [ARGS...]
-# (extra ARGS go to bench_gpu.py, e.g. --passes 1 --max-tokens 64)
+# (extra ARGS go to bench_gpu.py, e.g. --passes 1 --max-tokens 64), or
+# bash scripts/gpu-bench.sh --sweep [ARGS...] for gpu_sweep.py (MLX CUDA settings).
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
@@ -21,9 +24,15 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
 /tmp/dspec --version | tee "$OUT/bench.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/bench.log"
-models=/tmp/models
+models=${MODELS:-/tmp/models}
 [ -d "$models/qwen15" ] || python3 scripts/random_weights.py .gpu/bench/qwen15 "$models/qwen15" --seed 0
 [ -d "$models/qwen05" ] || python3 scripts/random_weights.py .gpu/bench/qwen05 "$models/qwen05" --seed 1
+if [ "${1:-}" = "--sweep" ]; then
+  shift
+  python3 scripts/gpu_sweep.py --dspec /tmp/dspec --target "$models/qwen15" \
+      --json-out "$OUT/sweep.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
+  exit
+fi
 python3 scripts/bench_gpu.py --dspec /tmp/dspec --target "$models/qwen15" \
     --draft "$models/qwen05" --json-out "$OUT/bench.json" "$@" 2>&1 | tee -a "$OUT/bench.log"
 # Where a round's time goes: one traced generation per draft-length policy.

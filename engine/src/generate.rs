@@ -50,6 +50,22 @@ pub struct GenerationStats {
     /// Tokens after the first, per second of decoding (the first comes from prefill).
     pub decode_tokens_per_second: f64,
     pub stop_reason: StopReason,
+    /// Where plain decoding's time went (absent for speculative decoding).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_breakdown: Option<DecodeBreakdown>,
+}
+
+/// Plain decoding's wall time split three ways. Building graphs and queueing them run
+/// on the host while the device works on the step before; `waiting` is the time the host
+/// sat idle on the device. Much waiting: device-bound; little: host-bound.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct DecodeBreakdown {
+    /// Building each step's lazy graph (the model's forward and the token pick).
+    pub building_seconds: f64,
+    /// `async_eval`: MLX schedules the graph's kernels (on CUDA: graph nodes, launches).
+    pub queueing_seconds: f64,
+    /// Waiting for a step's token to arrive on the host.
+    pub waiting_seconds: f64,
 }
 
 impl GenerationStats {
@@ -71,6 +87,7 @@ impl GenerationStats {
             decode_tokens_per_second: generated_tokens.saturating_sub(1) as f64
                 / decode_seconds.max(1e-9),
             stop_reason,
+            decode_breakdown: None,
         }
     }
 }
@@ -169,13 +186,18 @@ fn queue_step(
     cache: &mut ModelCache,
     token: &Array,
     picker: &mut Picker,
+    times: &mut DecodeBreakdown,
 ) -> Result<Array, EngineError> {
+    let start = Instant::now();
     let logits = model
         .forward(token, cache, &[])?
         .logits
         .try_index((.., -1, ..))?;
     let picked = picker.pick(&logits)?;
+    let built = Instant::now();
     async_eval([&picked])?;
+    times.building_seconds += (built - start).as_secs_f64();
+    times.queueing_seconds += built.elapsed().as_secs_f64();
     Ok(picked)
 }
 
@@ -275,6 +297,7 @@ pub fn generate(
     // queued past an EOS or a stop string is computed and dropped.)
     let mut current_id = first_id;
     let mut queued: Option<Array> = None;
+    let mut times = DecodeBreakdown::default();
     let stop_reason = loop {
         tokens.push(current_id);
         if config.eos_ids.contains(&current_id) {
@@ -294,18 +317,26 @@ pub fn generate(
         }
         let step = match queued.take() {
             Some(token) => token,
-            None => queue_step(model, &mut cache, &next, &mut picker)?,
+            None => queue_step(model, &mut cache, &next, &mut picker, &mut times)?,
         };
         // Room for one more after `step`: queue it before waiting on `step`.
         let room =
             tokens.len() + 1 < config.max_tokens && prompt.len() + tokens.len() + 1 < context_limit;
         if room && matches!(picker, Picker::Greedy) {
-            queued = Some(queue_step(model, &mut cache, &step, &mut picker)?);
+            queued = Some(queue_step(
+                model,
+                &mut cache,
+                &step,
+                &mut picker,
+                &mut times,
+            )?);
         }
         if sink.push(current_id)? {
             break StopReason::StopString;
         }
+        let wait = Instant::now();
         current_id = token_value(&step)?;
+        times.waiting_seconds += wait.elapsed().as_secs_f64();
         next = step;
     };
     // A step queued past the end is still running: wait for it, so nothing is in flight
@@ -315,13 +346,14 @@ pub fn generate(
         step.eval()?;
     }
     sink.finish(stop_reason == StopReason::StopString)?;
-    let stats = GenerationStats::new(
+    let mut stats = GenerationStats::new(
         prompt.len(),
         tokens.len(),
         prefill_seconds,
         decode_start.elapsed().as_secs_f64(),
         stop_reason,
     );
+    stats.decode_breakdown = Some(times);
     Ok(GenerationOutput {
         text: sink.text,
         tokens,

@@ -14,7 +14,7 @@ use dspec_engine::drafting::{available_drafters, load_drafter};
 use dspec_engine::generate::{generate, GenerationConfig, GenerationOutput};
 use dspec_engine::loading::{load_model, load_model_with_lora};
 use dspec_engine::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
-use dspec_engine::runtime::{version_report, wait_for_device, Backend};
+use dspec_engine::runtime::{exit_process, version_report, Backend};
 use dspec_engine::sampling::SamplingParams;
 use dspec_engine::score_batch::{read_requests, render_text, run_requests, ScoreRequest, Sides};
 use dspec_engine::scoring::{Measure, Scorer, ScorerAdapter, Windowing};
@@ -443,11 +443,14 @@ fn main() {
             std::process::exit(2);
         }
     };
-    wait_for_device();
-    if let Err(err) = result {
-        eprintln!("error: {err:#}");
-        std::process::exit(1);
-    }
+    let code = match result {
+        Ok(()) => 0,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            1
+        }
+    };
+    exit_process(code);
 }
 
 fn read_prompt(args: &GenerateArgs) -> Result<String> {

@@ -34,6 +34,23 @@ pub fn wait_for_device() {
     }
 }
 
+/// Ends the process with `code` once the device is idle and output is flushed, without
+/// running C++ static and thread-local destructors. MLX's CUDA backend destroys its
+/// command encoders (streams, CUDA graphs) in such destructors, which can run after the
+/// CUDA runtime has unloaded; the failed `Destroy` then throws from a destructor and the
+/// process aborts (SIGABRT, exit 134) after a successful run, as seen on an H100 with
+/// MLX 0.32.2 (upstream: ml-explore/mlx pull request 4531). The operating system frees
+/// what those destructors would have.
+pub fn exit_process(code: i32) -> ! {
+    use std::io::Write;
+    wait_for_device();
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: `_exit` ends the process at once; everything buffered was flushed above and
+    // no file dspec writes is left half-done (each is closed where it is written).
+    unsafe { libc::_exit(code) }
+}
+
 /// The default device kind MLX picked: GPU when the loaded libmlx has a usable one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
