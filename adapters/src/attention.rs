@@ -8,6 +8,7 @@ use mlx_rs::ops::{arange, concatenate, matmul, select, softmax_axis};
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
+use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{KvCache, WeightSource};
 
 use crate::layers::{
@@ -192,6 +193,45 @@ impl Attention {
             .transpose_axes(&[0, 2, 1, 3])?)
     }
 
+    /// Rotated q and k and plain v, `[B, heads, L, D]` each, for the common layer: one
+    /// fused q|k|v product, no q/k/v norms. Per layer and step it makes one reshape and
+    /// three head slices instead of a split, three reshapes and three transposes, and
+    /// rotates q and k in one rope call (heads are rotated independently, so the values
+    /// are the same). At decode sizes every graph node costs host time in MLX's
+    /// evaluation, which is what bounds the speed on a GPU. `None`: another layout.
+    fn packed_heads(&self, x: &Array, offset: i32) -> Result<Option<(Array, Array, Array)>> {
+        let s = &self.spec;
+        let Projections::Fused { qkv, sizes } = &self.projections else {
+            return Ok(None);
+        };
+        if sizes.len() != 3 || self.q_norm.is_some() || self.k_norm.is_some() || s.v_norm.is_some()
+        {
+            return Ok(None);
+        }
+        let y = qkv.forward(x)?;
+        // Rows are positions of one sequence: `[R, 1, ..]` -> `[1, R, ..]`.
+        let y = if is_row_layout(&y) {
+            y.reshape(&[1, y.shape()[0], y.shape()[2]])?
+        } else {
+            y
+        };
+        let (b, len) = (y.shape()[0], y.shape()[1]);
+        let (heads, qk_heads) = (s.heads + 2 * s.kv_heads, s.heads + s.kv_heads);
+        // One position: `[B, 1, n·D]` is already `[B, n, 1, D]` in memory.
+        let y = if len == 1 {
+            y.reshape(&[b, heads, 1, s.head_dim])?
+        } else {
+            y.reshape(&[b, len, heads, s.head_dim])?
+                .transpose_axes(&[0, 2, 1, 3])?
+        };
+        let qk = s.rope.forward(&slice_axis(&y, 1, 0, qk_heads)?, offset)?;
+        Ok(Some((
+            slice_axis(&qk, 1, 0, s.heads)?,
+            slice_axis(&qk, 1, s.heads, qk_heads)?,
+            slice_axis(&y, 1, qk_heads, heads)?,
+        )))
+    }
+
     /// Normed and rotated keys, and values, at positions `offset..` from the raw
     /// projections.
     fn keys_values(
@@ -236,13 +276,19 @@ impl Attention {
         let s = &self.spec;
         let rows = is_row_layout(x);
         let offset = cache.offset() as i32;
-        let (raw_q, raw_k, raw_v) = self.project(x)?;
-        let mut q = self.split_heads(raw_q, s.heads)?;
-        if let Some(qn) = &self.q_norm {
-            q = qn.forward(&q)?;
-        }
-        let q = s.rope.forward(&q, offset)?;
-        let (k, v) = self.keys_values(raw_k, raw_v, offset)?;
+        let (q, k, v) = match self.packed_heads(x, offset)? {
+            Some(qkv) => qkv,
+            None => {
+                let (raw_q, raw_k, raw_v) = self.project(x)?;
+                let mut q = self.split_heads(raw_q, s.heads)?;
+                if let Some(qn) = &self.q_norm {
+                    q = qn.forward(&q)?;
+                }
+                let q = s.rope.forward(&q, offset)?;
+                let (k, v) = self.keys_values(raw_k, raw_v, offset)?;
+                (q, k, v)
+            }
+        };
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
         let len = q.shape()[2];
 
@@ -262,11 +308,16 @@ impl Attention {
         } else {
             self.attend(&q, &keys, &values, mask)?
         };
-        // Back to the caller's layout: `[1, L, ..]`, or `[R, 1, ..]` for rows.
+        // Back to the caller's layout: `[1, L, ..]`, or `[R, 1, ..]` for rows. One
+        // position needs no transpose: `[B, H, 1, D]` already lies in memory as
+        // `[B, 1, H·D]` (one view fewer in every layer of every decode step).
         let (b, l) = if rows { (len, 1) } else { (x.shape()[0], len) };
-        let out = out
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, l, s.heads * s.head_dim])?;
+        let out = if len == 1 {
+            out.reshape(&[b, 1, s.heads * s.head_dim])?
+        } else {
+            out.transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, s.heads * s.head_dim])?
+        };
         self.o.forward(&out)
     }
 
