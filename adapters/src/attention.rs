@@ -368,3 +368,67 @@ impl Attention {
         Ok(matmul(&probs, &v)?.reshape(&[b, s.heads, len, s.head_dim])?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dspec_plugin_api::weights::RandomWeights;
+    use mlx_rs::random;
+
+    fn spec() -> AttentionSpec {
+        let rope = Rope::from_config(
+            8,
+            10_000.0,
+            &serde_json::Value::Null,
+            std::path::Path::new("config.json"),
+        )
+        .unwrap();
+        AttentionSpec {
+            hidden: 32,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            scale: 8f32.powf(-0.5),
+            qkv_bias: true,
+            o_bias: false,
+            qk_norm: None,
+            sliding_window: None,
+            softcap: None,
+            rope,
+            k_eq_v: false,
+            v_norm: None,
+        }
+    }
+
+    /// The packed path (one reshape, head slices, one rope for q and k) must give
+    /// exactly what projecting, splitting and rotating q and k one by one gives, for a
+    /// decode step, a multi-token forward and the row layout.
+    #[test]
+    fn packed_heads_equal_the_general_path() {
+        let mut weights = RandomWeights::new(7).unwrap();
+        let attn = Attention::load(&mut weights, "layer.self_attn", spec()).unwrap();
+        assert!(matches!(attn.projections, Projections::Fused { .. }));
+        let key = random::key(11).unwrap();
+        for (shape, offset) in [([1, 1, 32], 5), ([1, 3, 32], 5), ([3, 1, 32], 9)] {
+            let x = random::normal::<f32>(&shape, None, None, Some(&key)).unwrap();
+            let (q, k, v) = attn
+                .packed_heads(&x, offset)
+                .unwrap()
+                .expect("a fused, norm-free layer takes the packed path");
+            let (raw_q, raw_k, raw_v) = attn.project(&x).unwrap();
+            let q_ref = attn
+                .spec
+                .rope
+                .forward(&attn.split_heads(raw_q, 4).unwrap(), offset)
+                .unwrap();
+            let (k_ref, v_ref) = attn.keys_values(raw_k, raw_v, offset).unwrap();
+            for (name, got, want) in [("q", &q, &q_ref), ("k", &k, &k_ref), ("v", &v, &v_ref)] {
+                assert_eq!(got.shape(), want.shape(), "{name} for input {shape:?}");
+                assert!(
+                    got.array_eq(want, None).unwrap().item::<bool>(),
+                    "{name} differs for input {shape:?}"
+                );
+            }
+        }
+    }
+}

@@ -143,6 +143,23 @@ fn generate_streams_the_same_text_as_json_and_no_stream() {
             && stats["prefill_tokens_per_second"].as_f64().is_some()
     );
     assert_eq!(json["model"]["adapter"], "llama");
+    // Where plain decoding's time went: three parts, none negative, adding up to no
+    // more than the decode time they split.
+    let breakdown = &stats["decode_breakdown"];
+    let parts: Vec<f64> = ["building_seconds", "queueing_seconds", "waiting_seconds"]
+        .iter()
+        .map(|k| {
+            breakdown[k]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{k}: {json}"))
+        })
+        .collect();
+    let decode = stats["decode_seconds"].as_f64().expect("decode_seconds");
+    assert!(parts.iter().all(|&p| p >= 0.0), "{json}");
+    assert!(parts.iter().sum::<f64>() <= decode + 1e-6, "{json}");
+    if generated > 1 {
+        assert!(parts[0] > 0.0, "steps were built: {json}");
+    }
 
     let streamed = dspec(&[
         "generate",
@@ -448,6 +465,10 @@ fn ngram_drafter_gives_the_greedy_text_and_reports_tau() {
         "{spec}"
     );
     assert_eq!(spec["speculative"]["drafter"], "ngram");
+    assert!(
+        spec["stats"].get("decode_breakdown").is_none(),
+        "the breakdown is plain decoding's: {spec}"
+    );
     // Adaptive lengths (up to 3 here) change the speed, never the text.
     let auto = run(&["--drafter", "ngram", "--max-draft", "auto:3"]);
     assert_eq!(auto["text"], plain["text"]);
