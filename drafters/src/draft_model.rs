@@ -26,9 +26,6 @@ pub struct DraftModelDrafter {
     pending: Vec<u32>,
     /// What the last `propose` fed after the committed tokens: `[last, d1..]`.
     speculative: Vec<u32>,
-    /// The last greedy draft when it went to the engine on the device: `d1..dk`, of
-    /// which `d1..d(k-1)` still belong in `speculative` (added by `commit`).
-    on_device: Option<Array>,
     /// The target's vocabulary size: logits are cut to it (a draft model may pad its
     /// vocabulary differently) and distributions are padded to it.
     target_vocab: usize,
@@ -42,7 +39,6 @@ impl DraftModelDrafter {
             cache,
             pending: Vec::new(),
             speculative: Vec::new(),
-            on_device: None,
             target_vocab,
         }
     }
@@ -79,7 +75,6 @@ impl Drafter for DraftModelDrafter {
     ) -> Result<()> {
         self.cache = self.model.new_cache();
         self.speculative.clear();
-        self.on_device = None;
         self.pending.clear();
         // The whole prompt now, so rounds only feed what was committed since.
         for chunk in prompt.chunks(PREFILL_CHUNK) {
@@ -122,11 +117,6 @@ impl Drafter for DraftModelDrafter {
             }
             ids.push(next);
             let all = concatenate(&ids, 0)?;
-            if picker.takes_device_ids() {
-                // The engine verifies on these ids as they are; `commit` reads them.
-                self.on_device = Some(all.clone());
-                return Ok(Draft::on_device(all));
-            }
             all.eval()?;
             draft.tokens = all
                 .try_as_slice::<u32>()
@@ -150,15 +140,6 @@ impl Drafter for DraftModelDrafter {
     }
 
     fn commit(&mut self, verified: &[u32], _hidden: Option<&Array>) -> Result<()> {
-        if let Some(ids) = self.on_device.take() {
-            // Computed by now: the verify that produced `verified` ran on them.
-            ids.eval()?;
-            let ids = ids
-                .try_as_slice::<u32>()
-                .map_err(|e| ModelError::Unsupported(format!("reading drafted ids: {e}")))?;
-            self.speculative
-                .extend_from_slice(&ids[..ids.len().saturating_sub(1)]);
-        }
         let kept = self
             .speculative
             .iter()

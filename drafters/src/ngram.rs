@@ -75,7 +75,7 @@ impl Drafter for NgramDrafter {
         self.history.pop();
         Ok(Draft {
             tokens,
-            ..Draft::default()
+            probs: None,
         })
     }
 

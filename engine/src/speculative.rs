@@ -53,46 +53,12 @@ pub struct SpeculativeOutput {
 
 /// Argmax of every position of `[.., V]` logits, on the host (one sync for all rows).
 fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
-    host_ids(&argmax_axis(logits, -1, false)?)
-}
-
-/// Token ids of any integer dtype, evaluated and copied to the host.
-fn host_ids(ids: &Array) -> Result<Vec<u32>, EngineError> {
-    let ids = ids.as_dtype(Dtype::Uint32)?;
+    let ids = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
     ids.eval()?;
     Ok(ids
         .try_as_slice::<u32>()
         .map_err(|e| EngineError::Mlx(e.to_string()))?
         .to_vec())
-}
-
-/// The verify's input `[1, 1 + k]`: `last`, then the drafts — from the host, or, when
-/// the drafter left them on the device (cut to `k`), lazily from there, which it also
-/// returns for reading once the verify is queued.
-fn verify_input(
-    last: u32,
-    draft: &mut Draft,
-    k: usize,
-) -> Result<(Array, Option<Array>), EngineError> {
-    match draft.device_tokens.take() {
-        Some(ids) if draft.tokens.is_empty() => {
-            let ids = ids.flatten(None, None)?.as_dtype(Dtype::Uint32)?;
-            let ids = if ids.shape()[0] as usize > k {
-                ids.try_index(..k as i32)?
-            } else {
-                ids
-            };
-            let all =
-                mlx_rs::ops::concatenate(&[Array::from_slice(&[last], &[1]), ids.clone()], 0)?;
-            Ok((all.reshape(&[1, -1])?, Some(ids)))
-        }
-        _ => {
-            let mut input = Vec::with_capacity(1 + draft.tokens.len());
-            input.push(last);
-            input.extend_from_slice(&draft.tokens);
-            Ok((Array::from_slice(&input, &[1, input.len() as i32]), None))
-        }
-    }
 }
 
 /// Every row of `[.., V]` logits as the processed distribution `params` samples from.
@@ -113,10 +79,6 @@ struct EnginePicker<'a> {
 
 impl TokenPicker for EnginePicker<'_> {
     fn is_greedy(&self) -> bool {
-        self.sampler.is_none()
-    }
-
-    fn takes_device_ids(&self) -> bool {
         self.sampler.is_none()
     }
 
@@ -325,17 +287,14 @@ pub fn generate_speculative(
         }
 
         let t = Instant::now();
-        let (verify_ids, device_ids) = verify_input(last, &mut draft, k)?;
-        let out = model.forward(&verify_ids, &mut cache, &taps)?;
-        if let Some(ids) = device_ids {
-            // Drafts computed on the device: the verify was built without waiting for
-            // them; queue it behind them, then read them (the drafts finish first).
-            mlx_rs::transforms::async_eval([&out.logits])?;
-            draft.tokens = host_ids(&ids)?;
-        }
         let mut input = Vec::with_capacity(1 + draft.tokens.len());
         input.push(last);
         input.extend_from_slice(&draft.tokens);
+        let out = model.forward(
+            &Array::from_slice(&input, &[1, input.len() as i32]),
+            &mut cache,
+            &taps,
+        )?;
         let (accepted, next) = accept(&out.logits, &draft, sampler.as_mut())?;
         let verify_elapsed = t.elapsed();
         length.observe(

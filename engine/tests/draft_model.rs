@@ -7,7 +7,7 @@ use dspec_engine::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::write_tiny_model;
-use dspec_plugin_api::{Draft, Drafter, DrafterOptions, LoadOptions, Picked};
+use dspec_plugin_api::{Drafter, DrafterOptions, LoadOptions};
 
 mod common;
 use common::{greedy_config, load_dir as load};
@@ -237,80 +237,4 @@ fn drafter_arguments_that_cannot_work_get_clear_errors() {
         Err(e) => e.to_string(),
     };
     assert!(err.contains("--drafter-bits"), "{err}");
-}
-
-/// Greedy picking for driving a drafter by hand; `device` says whether it takes ids
-/// left on the device.
-struct Argmax {
-    device: bool,
-}
-
-impl dspec_plugin_api::TokenPicker for Argmax {
-    fn is_greedy(&self) -> bool {
-        true
-    }
-
-    fn pick(&mut self, logits: &mlx_rs::Array) -> dspec_plugin_api::error::Result<Picked> {
-        let ids = mlx_rs::ops::indexing::argmax_axis(logits, -1, false)?
-            .as_dtype(mlx_rs::Dtype::Uint32)?;
-        ids.eval()?;
-        Ok(Picked {
-            tokens: ids.as_slice::<u32>().to_vec(),
-            probs: None,
-        })
-    }
-
-    fn takes_device_ids(&self) -> bool {
-        self.device
-    }
-}
-
-fn device_ids(draft: &Draft) -> Vec<u32> {
-    let ids = draft
-        .device_tokens
-        .as_ref()
-        .expect("ids left on the device");
-    ids.eval().unwrap();
-    ids.as_slice::<u32>().to_vec()
-}
-
-#[test]
-fn a_draft_left_on_the_device_is_the_host_draft_and_commits_alike() {
-    let root = tempfile::tempdir().unwrap();
-    let (t, d) = (root.path().join("t"), root.path().join("d"));
-    write_tiny_model(&t, "{}", 11).unwrap();
-    write_tiny_model(&d, r#"{"num_hidden_layers": 1}"#, 5).unwrap();
-    let target = load(&t);
-    let spec = format!("model:{}", d.display());
-    let (mut on_host, mut on_device) = (
-        drafter_for(&spec, &target, None),
-        drafter_for(&spec, &target, None),
-    );
-    let prompt = target
-        .tokenizer
-        .encode_prompt("hello there", false)
-        .unwrap();
-    let model = target.model.as_ref();
-    on_host.begin(model, &prompt, None).unwrap();
-    on_device.begin(model, &prompt, None).unwrap();
-    let mut last = 7u32;
-    // Rounds that keep all, none and some of the drafts must leave both drafters in
-    // the same state, which the next round's drafts show.
-    for kept in [4usize, 0, 2, 4] {
-        let host = on_host
-            .propose(model, last, 4, &mut Argmax { device: false })
-            .unwrap();
-        let dev = on_device
-            .propose(model, last, 4, &mut Argmax { device: true })
-            .unwrap();
-        assert!(host.device_tokens.is_none() && host.tokens.len() == 4);
-        assert!(dev.tokens.is_empty(), "ids stay on the device when taken");
-        assert_eq!(device_ids(&dev), host.tokens, "round keeping {kept}");
-        let mut verified = vec![last];
-        verified.extend_from_slice(&host.tokens[..kept]);
-        on_host.commit(&verified, None).unwrap();
-        on_device.commit(&verified, None).unwrap();
-        // The target's own token: one the draft did not propose.
-        last = host.tokens.get(kept).map_or(3, |t| (t + 1) % 50);
-    }
 }

@@ -85,7 +85,7 @@ impl Drafter for NoisyOracle {
         }
         Ok(Draft {
             tokens,
-            ..Draft::default()
+            probs: None,
         })
     }
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {

@@ -143,7 +143,7 @@ impl Drafter for FixedDrafter {
             .collect();
         Ok(Draft {
             tokens,
-            ..Draft::default()
+            probs: None,
         })
     }
     fn commit(&mut self, verified: &[u32], _: Option<&Array>) -> ModelResult<()> {

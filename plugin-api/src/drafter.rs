@@ -20,22 +20,9 @@ use crate::target::{ModelInfo, Quantization, TargetModel};
 pub struct Draft {
     pub tokens: Vec<u32>,
     pub probs: Option<Vec<Vec<f32>>>,
-    /// Greedy drafts still on the device (`[k]` uint32, possibly not yet computed), with
-    /// `tokens` left empty: only when the picker [`TokenPicker::takes_device_ids`]. The
-    /// engine then builds the verify on them without waiting for drafting to finish,
-    /// and reads them when it reads the verify.
-    pub device_tokens: Option<Array>,
 }
 
 impl Draft {
-    /// A draft of greedy ids still on the device (see [`Draft::device_tokens`]).
-    pub fn on_device(ids: Array) -> Self {
-        Draft {
-            device_tokens: Some(ids),
-            ..Draft::default()
-        }
-    }
-
     /// Appends picked tokens (and their distributions, when the picker sampled).
     pub fn extend(&mut self, picked: Picked) {
         let first = self.tokens.is_empty();
@@ -67,13 +54,6 @@ pub trait TokenPicker {
     /// One token per row of `logits` (`[n, vocab]`, any float dtype), rows picked
     /// independently. Greedy picking costs one host sync for all rows.
     fn pick(&mut self, logits: &Array) -> Result<Picked>;
-
-    /// Whether a greedy drafter may hand back its ids on the device
-    /// ([`Draft::on_device`]) instead of on the host. On a GPU that saves a round its
-    /// host sync between drafting and verifying. Default: no.
-    fn takes_device_ids(&self) -> bool {
-        false
-    }
 }
 
 pub trait Drafter: Send {
