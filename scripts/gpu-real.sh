@@ -5,8 +5,8 @@
 #   here:   ../shared/gpu/chunk.sh ~/.cache/dspec/models/qwen05.gguf qwen05.gguf   (and qwen15)
 #   there:  one run per part, carrying [".gpu/chunks/NAME/partNN"] (the parts accumulate while
 #           the machine stays warm), after one run that carried .gpu and .whl.
-# This joins the parts, checks the sha256 of each file (the values scripts/fetch-models.sh
-# checks), converts both with `dspec convert` (bf16) and runs scripts/gpu-bench.sh on them.
+# This joins the parts, checks each file's sha256 (fetch-models.sh --sha), converts both
+# with `dspec convert` (bf16) and runs scripts/gpu-bench.sh on them.
 # Usage: bash scripts/gpu-real.sh [--check] [ARGS for bench_gpu.py...]
 #   --check: convert and run a short dspec-only equality check on whatever has arrived.
 set -euo pipefail
@@ -16,17 +16,13 @@ export MODELS=/tmp/models-real
 eval "$(bash .gpu/setup.sh)"
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
 
-declare -A sha=(
-  [qwen05]=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
-  [qwen15]=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
-)
 for name in qwen05 qwen15; do
   parts=.gpu/chunks/$name.gguf
   [ -d "$MODELS/$name" ] && continue
   [ -d "$parts" ] || { echo "gpu-real: no parts of $name yet" >&2; continue; }
   cat "$parts"/part* > "/tmp/$name.gguf"
   got=$(sha256sum "/tmp/$name.gguf" | cut -d' ' -f1)
-  if [ "$got" != "${sha[$name]}" ]; then
+  if [ "$got" != "$(bash scripts/fetch-models.sh --sha "$name")" ]; then
     echo "gpu-real: $name is incomplete or damaged ($(ls "$parts" | wc -l) parts, sha256 $got)" >&2
     continue
   fi

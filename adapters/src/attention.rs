@@ -189,6 +189,11 @@ impl Attention {
             y
         };
         let (b, len) = (y.shape()[0], y.shape()[1]);
+        // One position: `[B, 1, n·D]` already lies in memory as `[B, n, 1, D]`, so a
+        // reshape does without the transpose (a graph node fewer per call).
+        if len == 1 {
+            return Ok(y.reshape(&[b, n, 1, self.spec.head_dim])?);
+        }
         Ok(y.reshape(&[b, len, n, self.spec.head_dim])?
             .transpose_axes(&[0, 2, 1, 3])?)
     }
@@ -208,22 +213,8 @@ impl Attention {
         {
             return Ok(None);
         }
-        let y = qkv.forward(x)?;
-        // Rows are positions of one sequence: `[R, 1, ..]` -> `[1, R, ..]`.
-        let y = if is_row_layout(&y) {
-            y.reshape(&[1, y.shape()[0], y.shape()[2]])?
-        } else {
-            y
-        };
-        let (b, len) = (y.shape()[0], y.shape()[1]);
         let (heads, qk_heads) = (s.heads + 2 * s.kv_heads, s.heads + s.kv_heads);
-        // One position: `[B, 1, n·D]` is already `[B, n, 1, D]` in memory.
-        let y = if len == 1 {
-            y.reshape(&[b, heads, 1, s.head_dim])?
-        } else {
-            y.reshape(&[b, len, heads, s.head_dim])?
-                .transpose_axes(&[0, 2, 1, 3])?
-        };
+        let y = self.split_heads(qkv.forward(x)?, heads)?;
         let qk = s.rope.forward(&slice_axis(&y, 1, 0, qk_heads)?, offset)?;
         Ok(Some((
             slice_axis(&qk, 1, 0, s.heads)?,
@@ -372,31 +363,21 @@ impl Attention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{parse_config, CommonConfig};
     use dspec_plugin_api::weights::RandomWeights;
     use mlx_rs::random;
 
+    /// A qwen2-style layer (biased q/k/v, no norms), built as the families build theirs.
     fn spec() -> AttentionSpec {
-        let rope = Rope::from_config(
-            8,
-            10_000.0,
-            &serde_json::Value::Null,
-            std::path::Path::new("config.json"),
-        )
-        .unwrap();
+        let config = serde_json::json!({
+            "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        });
+        let dir = std::path::Path::new(".");
+        let c: CommonConfig = parse_config(&config, dir).unwrap();
         AttentionSpec {
-            hidden: 32,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 8,
-            scale: 8f32.powf(-0.5),
             qkv_bias: true,
-            o_bias: false,
-            qk_norm: None,
-            sliding_window: None,
-            softcap: None,
-            rope,
-            k_eq_v: false,
-            v_norm: None,
+            ..c.attention(c.global_rope(&dir.join("config.json")).unwrap())
         }
     }
 
@@ -425,7 +406,7 @@ mod tests {
             for (name, got, want) in [("q", &q, &q_ref), ("k", &k, &k_ref), ("v", &v, &v_ref)] {
                 assert_eq!(got.shape(), want.shape(), "{name} for input {shape:?}");
                 assert!(
-                    got.array_eq(want, None).unwrap().item::<bool>(),
+                    got.eq_values(want).unwrap(),
                     "{name} differs for input {shape:?}"
                 );
             }

@@ -340,8 +340,8 @@ pub fn generate(
         next = step;
     };
     // A step queued past the end is still running: wait for it, so nothing is in flight
-    // when the caller goes on. (A process that exits while MLX's stream thread is inside
-    // an OpenBLAS call deadlocks in OpenBLAS's exit handler.)
+    // when the caller goes on. (A library caller's process that exits normally while
+    // MLX's stream thread is inside an OpenBLAS call deadlocks in OpenBLAS's exit handler.)
     if let Some(step) = queued {
         step.eval()?;
     }

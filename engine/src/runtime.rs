@@ -23,27 +23,17 @@ pub fn mlx_version() -> String {
     }
 }
 
-/// Waits until the default stream has finished everything queued on it. Call before
-/// the process exits: exiting while MLX's stream thread is inside an OpenBLAS call
-/// deadlocks in OpenBLAS's exit handler (seen with a decode step still in flight).
-pub fn wait_for_device() {
-    // SAFETY: no arguments; blocks until the default stream is idle. A failure here
-    // (no device) leaves nothing to wait for.
-    unsafe {
-        mlx_sys::mlx_synchronize_default();
-    }
-}
-
-/// Ends the process with `code` once the device is idle and output is flushed, without
-/// running C++ static and thread-local destructors. MLX's CUDA backend destroys its
-/// command encoders (streams, CUDA graphs) in such destructors, which can run after the
-/// CUDA runtime has unloaded; the failed `Destroy` then throws from a destructor and the
+/// Ends the process with `code` once output is flushed, without running C++ static and
+/// thread-local destructors or exit handlers. MLX's CUDA backend destroys its command
+/// encoders (streams, CUDA graphs) in such destructors, which can run after the CUDA
+/// runtime has unloaded; the failed `Destroy` then throws from a destructor and the
 /// process aborts (SIGABRT, exit 134) after a successful run, as seen on an H100 with
-/// MLX 0.32.2 (upstream: ml-explore/mlx pull request 4531). The operating system frees
-/// what those destructors would have.
+/// MLX 0.32.2 (upstream: ml-explore/mlx pull request 4531). Skipping the exit handlers
+/// also keeps OpenBLAS's from waiting forever on a worker that MLX's stream thread left
+/// mid-call (the CPU hang of a step still queued at exit). The operating system frees
+/// what the destructors would have.
 pub fn exit_process(code: i32) -> ! {
     use std::io::Write;
-    wait_for_device();
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     // SAFETY: `_exit` ends the process at once; everything buffered was flushed above and

@@ -24,8 +24,9 @@ fn config(max_tokens: usize, eos_ids: Vec<u32>, stop_strings: Vec<String>) -> Ge
 }
 
 /// Knows the true greedy continuation and proposes it with one token corrupted at a
-/// position that cycles, so every acceptance length occurs. It also checks the loop
-/// tells it about exactly the tokens it committed.
+/// position that cycles, so every acceptance length occurs (or, `always_wrong`, every
+/// token corrupted, so nothing is ever accepted). It also checks the loop tells it
+/// about exactly the tokens it committed.
 struct NoisyOracle {
     truth: Vec<u32>,
     /// Tokens the target has verified so far (prompt excluded).
@@ -33,6 +34,7 @@ struct NoisyOracle {
     round: usize,
     vocab: u32,
     hidden_checks: usize,
+    always_wrong: bool,
 }
 
 impl NoisyOracle {
@@ -44,6 +46,15 @@ impl NoisyOracle {
             round: 0,
             vocab: 259,
             hidden_checks: 0,
+            always_wrong: false,
+        }
+    }
+
+    /// The same oracle with every draft shifted by one id.
+    fn always_wrong(truth: &[u32]) -> Self {
+        NoisyOracle {
+            always_wrong: true,
+            ..NoisyOracle::new(truth)
         }
     }
 }
@@ -80,8 +91,10 @@ impl Drafter for NoisyOracle {
         let mut tokens: Vec<u32> = self.truth.iter().skip(start).take(max_k).copied().collect();
         self.round += 1;
         let corrupt = self.round % (max_k + 2);
-        if let Some(t) = tokens.get_mut(corrupt) {
-            *t = (*t + 1) % self.vocab;
+        for (i, t) in tokens.iter_mut().enumerate() {
+            if self.always_wrong || i == corrupt {
+                *t = (*t + 1) % self.vocab;
+            }
         }
         Ok(Draft {
             tokens,
@@ -286,18 +299,15 @@ fn adaptive_draft_length_keeps_greedy_output() {
         .encode_prompt("adapt the draft length", false)
         .unwrap();
     let truth = greedy(&loaded, &prompt, 70);
-    let drafters: [(bool, Box<dyn Drafter>); 2] = [
-        (false, Box::new(NoisyOracle::new(&truth))),
-        (true, Box::new(ShiftedOracle(NoisyOracle::new(&truth)))),
-    ];
-    for (always_wrong, mut drafter) in drafters {
+    for mut drafter in [NoisyOracle::new(&truth), NoisyOracle::always_wrong(&truth)] {
+        let always_wrong = drafter.always_wrong;
         let out = generate_speculative(
             loaded.model.as_ref(),
             &loaded.tokenizer,
             &prompt,
             &config(60, vec![], vec![]),
             Speculation {
-                drafter: drafter.as_mut(),
+                drafter: &mut drafter,
                 max_draft: 6,
                 adaptive: true,
                 trace: None,
@@ -319,45 +329,5 @@ fn adaptive_draft_length_keeps_greedy_output() {
         if always_wrong {
             assert_eq!(s.accepted_tokens, 0);
         }
-    }
-}
-
-/// The noisy oracle with every draft shifted by one id: nothing is ever accepted.
-struct ShiftedOracle(NoisyOracle);
-
-impl Drafter for ShiftedOracle {
-    fn name(&self) -> &str {
-        "shifted-oracle"
-    }
-    fn taps(&self) -> &[usize] {
-        self.0.taps()
-    }
-    fn begin(
-        &mut self,
-        target: &dyn TargetModel,
-        prompt: &[u32],
-        hidden: Option<&Array>,
-    ) -> ModelResult<()> {
-        self.0.begin(target, prompt, hidden)
-    }
-    fn propose(
-        &mut self,
-        target: &dyn TargetModel,
-        last: u32,
-        max_k: usize,
-        picker: &mut dyn TokenPicker,
-    ) -> ModelResult<Draft> {
-        let mut draft = self.0.propose(target, last, max_k, picker)?;
-        let vocab = self.0.vocab;
-        let truth = &self.0.truth;
-        let start = self.0.seen + 1;
-        for (i, t) in draft.tokens.iter_mut().enumerate() {
-            // Differ from the true token at this position, whatever the oracle did.
-            *t = (truth[start + i] + 1) % vocab;
-        }
-        Ok(draft)
-    }
-    fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
-        self.0.commit(verified, hidden)
     }
 }
