@@ -61,21 +61,49 @@ pub struct Attention {
     k_norm: Option<RmsNorm>,
 }
 
-/// Which keys each query may see: `[L, offset+L]` booleans, or `None` when every
-/// cached key is visible (one new token and no window cut).
-pub fn attention_mask(offset: i32, len: i32, window: Option<i32>) -> Result<Option<Array>> {
-    let total = offset + len;
-    let window_cuts = window.is_some_and(|w| total > w);
-    if len == 1 && !window_cuts {
-        return Ok(None);
+/// Which keys each query of a forward may see.
+pub enum Mask {
+    /// Every cached key and every position of the input: one new token with no window
+    /// cut, or a drafter's block that attends within itself both ways.
+    All,
+    /// Input position i sees the cache and input positions `..=i`: MLX's "causal"
+    /// mode, aligned to the last key: the fused kernels need no mask array built.
+    Causal,
+    /// `[L, keys]` booleans: what a sliding window leaves visible.
+    Keys(Array),
+}
+
+impl Mask {
+    /// As MLX's attention takes it.
+    pub fn for_sdpa(&self) -> Option<ScaledDotProductAttentionMask<'_>> {
+        match self {
+            Mask::All => None,
+            Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+            Mask::Keys(keys) => Some(ScaledDotProductAttentionMask::Array(keys)),
+        }
     }
+}
+
+/// The mask of `len` positions after `offset` cached ones under an optional window.
+pub fn attention_mask(offset: i32, len: i32, window: Option<i32>) -> Result<Mask> {
+    let total = offset + len;
+    if !window.is_some_and(|w| total > w) {
+        return Ok(if len == 1 { Mask::All } else { Mask::Causal });
+    }
+    Ok(Mask::Keys(visible_keys(offset, len, window)?))
+}
+
+/// `[len, offset+len]` booleans: key j is visible to query i when `j <= offset + i`
+/// and, under a window, `offset + i - j < window`.
+fn visible_keys(offset: i32, len: i32, window: Option<i32>) -> Result<Array> {
+    let total = offset + len;
     let q_pos = arange::<_, i32>(offset, total, None)?.reshape(&[len, 1])?;
     let k_pos = arange::<_, i32>(0, total, None)?.reshape(&[1, total])?;
     let mut visible = k_pos.le(&q_pos)?;
     if let Some(w) = window {
         visible = visible.logical_and(&k_pos.gt(q_pos.subtract(Array::from_int(w))?)?)?;
     }
-    Ok(Some(visible))
+    Ok(visible)
 }
 
 impl Attention {
@@ -256,14 +284,13 @@ impl Attention {
         Ok(())
     }
 
-    /// `x`: `[1, L, hidden]`; `mask` from [`attention_mask`] for this layer's window
-    /// (`None`: every cached key and every position of `x` is visible).
+    /// `x`: `[1, L, hidden]`; `mask` from [`attention_mask`] for this layer's window.
     ///
     /// In the row layout (`[R, 1, hidden]`, see [`is_row_layout`]) `mask` is unused:
-    /// each position attends on its own, exactly as a one-token decode step at that
-    /// position would, window included. That also keeps MLX's CUDA attention on its
-    /// one-query kernel instead of a cuDNN plan built for every new key length.
-    pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: Option<&Array>) -> Result<Array> {
+    /// each position attends exactly as a one-token decode step at that position would,
+    /// window included. That also keeps MLX's CUDA attention on its one-query kernel
+    /// instead of a cuDNN plan built for every new key length.
+    pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: &Mask) -> Result<Array> {
         let s = &self.spec;
         let rows = is_row_layout(x);
         let offset = cache.offset() as i32;
@@ -284,15 +311,22 @@ impl Attention {
         let len = q.shape()[2];
 
         let out = if rows {
+            // One call per position: MLX's CUDA attention (0.32.2) computes several causal
+            // queries differently from one (scripts/gpu_rowwise_check.py shows it). The
+            // last position sees every key: its keys and values need no slice (a graph
+            // node is host time on a GPU).
+            let upto = |a: &Array, row: i32| match row + 1 {
+                r if r == len => Ok(a.clone()),
+                r => seq_slice(a, 0, offset + r),
+            };
             let mut outs = Vec::with_capacity(len as usize);
             for r in 0..len {
-                let visible = offset + r + 1;
                 let row_mask = attention_mask(offset + r, 1, s.sliding_window)?;
                 outs.push(self.attend(
                     &seq_slice(&q, r, r + 1)?,
-                    &seq_slice(&keys, 0, visible)?,
-                    &seq_slice(&values, 0, visible)?,
-                    row_mask.as_ref(),
+                    &upto(&keys, r)?,
+                    &upto(&values, r)?,
+                    &row_mask,
                 )?);
             }
             concatenate(&outs, 2)?
@@ -318,16 +352,18 @@ impl Attention {
         q: &Array,
         keys: &Array,
         values: &Array,
-        mask: Option<&Array>,
+        mask: &Mask,
     ) -> Result<Array> {
         let s = &self.spec;
         match s.softcap {
-            None => {
-                let mask = mask.map(ScaledDotProductAttentionMask::Array);
-                Ok(scaled_dot_product_attention(
-                    q, keys, values, s.scale, mask, None,
-                )?)
-            }
+            None => Ok(scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                s.scale,
+                mask.for_sdpa(),
+                None,
+            )?),
             Some(cap) => self.softcapped_attention(q, keys, values, mask, cap),
         }
     }
@@ -339,7 +375,7 @@ impl Attention {
         q: &Array,
         k: &Array,
         v: &Array,
-        mask: Option<&Array>,
+        mask: &Mask,
         cap: f32,
     ) -> Result<Array> {
         let s = &self.spec;
@@ -351,9 +387,14 @@ impl Attention {
         let k = k.reshape(&[b, s.kv_heads, 1, total, s.head_dim])?;
         let v = v.reshape(&[b, s.kv_heads, 1, total, s.head_dim])?;
         let mut scores = softcap(&matmul(&q, k.transpose_axes(&[0, 1, 2, 4, 3])?)?, cap)?;
-        if let Some(mask) = mask {
+        let keys = match mask {
+            Mask::All => None,
+            Mask::Causal => Some(visible_keys(total - len, len, None)?),
+            Mask::Keys(keys) => Some(keys.clone()),
+        };
+        if let Some(keys) = keys {
             let hidden = Array::from_f32(f32::NEG_INFINITY).as_dtype(scores.dtype())?;
-            scores = select(mask, &scores, &hidden)?;
+            scores = select(&keys, &scores, &hidden)?;
         }
         let probs = softmax_axis(&scores, -1, true)?;
         Ok(matmul(&probs, &v)?.reshape(&[b, s.heads, len, s.head_dim])?)
@@ -365,6 +406,7 @@ mod tests {
     use super::*;
     use crate::config::{parse_config, CommonConfig};
     use dspec_plugin_api::weights::RandomWeights;
+    use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
 
     /// A qwen2-style layer (biased q/k/v, no norms), built as the families build theirs.
@@ -378,6 +420,44 @@ mod tests {
         AttentionSpec {
             qkv_bias: true,
             ..c.attention(c.global_rope(&dir.join("config.json")).unwrap())
+        }
+    }
+
+    /// Attention in the row layout equals one-token decoding at each position, bitwise,
+    /// with and without a window that cuts partway through the rows.
+    #[test]
+    fn rows_attend_like_single_positions() {
+        let key = random::key(5).unwrap();
+        for (offset, window) in [(9, None), (20, Some(23))] {
+            let spec = AttentionSpec {
+                sliding_window: window,
+                ..spec()
+            };
+            let mut weights = RandomWeights::new(3).unwrap();
+            let attn = Attention::load(&mut weights, "layer.self_attn", spec).unwrap();
+            let total = offset + 6;
+            let x = random::normal::<f32>(&[total, 1, 32], None, None, Some(&key)).unwrap();
+            // The cache holds `offset` positions, written by one ordinary forward.
+            let prefix = x.try_index((0..offset, 0, ..)).unwrap().reshape(&[1, offset, 32]).unwrap();
+            let mask = attention_mask(0, offset, window).unwrap();
+            let mut rows_cache = KvCache::default();
+            attn.forward(&prefix, &mut rows_cache, &mask).unwrap();
+            let mut single_cache = KvCache::default();
+            attn.forward(&prefix, &mut single_cache, &mask).unwrap();
+
+            let rows = attn
+                .forward(&x.try_index(offset..).unwrap(), &mut rows_cache, &Mask::All)
+                .unwrap();
+            for r in 0..6 {
+                let one = x.try_index((offset + r)..(offset + r + 1)).unwrap();
+                let mask = attention_mask(offset + r, 1, window).unwrap();
+                let single = attn.forward(&one, &mut single_cache, &mask).unwrap();
+                let row = rows.try_index(r..r + 1).unwrap();
+                assert!(
+                    row.eq_values(&single).unwrap(),
+                    "offset {offset}, window {window:?}: row {r} differs"
+                );
+            }
         }
     }
 

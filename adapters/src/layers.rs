@@ -4,11 +4,11 @@
 use std::cell::RefCell;
 
 use mlx_rs::error::Exception;
-use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{broadcast_to, concatenate, dequantize, matmul, quantize, quantized_matmul};
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, Array};
 
+use dspec_plugin_api::backend::Backend;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{LoraUpdate, Quantization, WeightSource};
@@ -142,10 +142,7 @@ fn maybe_quantize(
 }
 
 enum LinearWeight {
-    /// Stored transposed (a free view) so forward is a plain matmul.
-    Dense {
-        weight_t: Array,
-    },
+    Dense(DenseProduct),
     Quantized(Quantized),
 }
 
@@ -160,27 +157,71 @@ pub fn is_row_layout(x: &Array) -> bool {
     shape.len() == 3 && shape[0] > 1 && shape[1] == 1
 }
 
-/// `x · w_t` for a dense `w_t` (`[in, out]`). In the row layout the product is issued as
-/// R batched vector-matrix products, each exactly the one-token call: the weight is
-/// broadcast over the batch, and `x` is viewed with a batch stride of two rows (a slice
-/// of `x` doubled) — with a dense batch stride MLX's CUDA backend would fold the batch
-/// into one matrix-matrix product, which is what rounds differently.
-fn dense_matmul(x: &Array, w_t: &Array) -> Result<Array> {
-    if !is_row_layout(x) {
-        return Ok(matmul(x, w_t)?);
+/// `x · w` for a dense weight, kept as its `[in, out]` view (a free transpose) so the
+/// product is a plain matmul.
+///
+/// In the row layout the product is issued as R batched vector-matrix products, each
+/// exactly the one-token call, over the weight broadcast to `[R, in, out]`. MLX folds a
+/// batch of one-row products into one matrix-matrix product (which rounds differently)
+/// when the rows lie a row's width apart, so they are handed over otherwise:
+/// - on CUDA, as the view `[R, in, 1]` swapped to `[R, 1, in]` (strides `[in, 1, 1]`,
+///   the same memory): MLX reads transposed one-row matrices, which its CUDA
+///   matrix-vector kernel takes as they are (no fold, no copy);
+/// - elsewhere, two rows apart (`x` doubled, every other row): the CPU's BLAS computes
+///   a transposed one-row product differently from the one-token call.
+///
+/// The broadcast weight is made once per R and kept: evaluated, it is a leaf of later
+/// graphs instead of a node queued again in every layer of every verify (nodes are what
+/// a GPU step's host time goes to).
+struct DenseProduct {
+    weight_t: Array,
+    row_weights: RefCell<Vec<(i32, Array)>>,
+}
+
+impl DenseProduct {
+    fn new(weight_t: Array) -> Self {
+        Self {
+            weight_t,
+            row_weights: RefCell::new(Vec::new()),
+        }
     }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        if !is_row_layout(x) {
+            return Ok(matmul(x, &self.weight_t)?);
+        }
+        let apart = rows_apart(x, Backend::current())?;
+        Ok(matmul(&apart, &self.broadcast(x.shape()[0])?)?)
+    }
+
+    /// The weight broadcast to `[rows, in, out]`.
+    fn broadcast(&self, rows: i32) -> Result<Array> {
+        let mut made = self.row_weights.borrow_mut();
+        if let Some((_, w)) = made.iter().find(|(r, _)| *r == rows) {
+            return Ok(w.clone());
+        }
+        let shape = self.weight_t.shape();
+        let w = broadcast_to(&self.weight_t, &[rows, shape[0], shape[1]])?;
+        made.push((rows, w.clone()));
+        Ok(w)
+    }
+}
+
+/// The rows of `x` (`[R, 1, in]`) as `backend`'s one-row kernels take them one by one
+/// (see [`DenseProduct`]).
+fn rows_apart(x: &Array, backend: Backend) -> Result<Array> {
     let (rows, k) = (x.shape()[0], x.shape()[2]);
-    let n = w_t.shape()[1];
-    let spaced = concatenate(&[x, x], 1)?.try_index((.., 0..1, ..))?;
-    let w = broadcast_to(w_t, &[rows, k, n])?;
-    Ok(matmul(&spaced, &w)?)
+    match backend {
+        Backend::Cuda => Ok(x.reshape(&[rows, k, 1])?.swap_axes(1, 2)?),
+        Backend::Cpu | Backend::Metal => slice_axis(&concatenate(&[x, x], 1)?, 1, 0, 1),
+    }
 }
 
 impl LinearWeight {
     /// The dtype activations meet this weight in.
     fn dtype(&self) -> mlx_rs::Dtype {
         match self {
-            LinearWeight::Dense { weight_t } => weight_t.dtype(),
+            LinearWeight::Dense(d) => d.weight_t.dtype(),
             LinearWeight::Quantized(q) => q.scales.dtype(),
         }
     }
@@ -220,9 +261,7 @@ impl Linear {
             }
             match maybe_quantize(dense, w.options().quantize)? {
                 Ok(q) => LinearWeight::Quantized(q),
-                Err(dense) => LinearWeight::Dense {
-                    weight_t: dense.t(),
-                },
+                Err(dense) => LinearWeight::Dense(DenseProduct::new(dense.t())),
             }
         };
         let bias = if bias {
@@ -241,7 +280,7 @@ impl Linear {
     /// row goes through the one-token kernel.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
-            LinearWeight::Dense { weight_t } => dense_matmul(x, weight_t)?,
+            LinearWeight::Dense(d) => d.forward(x)?,
             LinearWeight::Quantized(q) => q.matmul_t(x)?,
         };
         let y = match &self.lora {
@@ -257,7 +296,7 @@ impl Linear {
     pub fn quantized_bits(&self) -> Option<i32> {
         match &self.weight {
             LinearWeight::Quantized(q) => Some(q.bits),
-            LinearWeight::Dense { .. } => None,
+            LinearWeight::Dense(_) => None,
         }
     }
 
@@ -270,10 +309,10 @@ impl Linear {
         let mut biases = Vec::with_capacity(parts.len());
         for part in parts {
             // A switchable LoRA update belongs to one projection: keep those apart.
-            let (LinearWeight::Dense { weight_t }, None) = (&part.weight, &part.lora) else {
+            let (LinearWeight::Dense(d), None) = (&part.weight, &part.lora) else {
                 return Ok(None);
             };
-            weights.push(weight_t.t());
+            weights.push(d.weight_t.t());
             biases.extend(part.bias.clone());
         }
         if !biases.is_empty() && biases.len() != parts.len() {
@@ -287,7 +326,7 @@ impl Linear {
             false => Some(concatenate(&biases, 0)?),
         };
         Ok(Some(Linear {
-            weight: LinearWeight::Dense { weight_t },
+            weight: LinearWeight::Dense(DenseProduct::new(weight_t)),
             bias,
             lora: None,
         }))
@@ -308,25 +347,38 @@ pub fn split_last(y: &Array, sizes: &[i32]) -> Result<Vec<Array>> {
 
 /// Token embedding table, usable as the output head when embeddings are tied.
 pub struct Embedding {
-    table: std::result::Result<Quantized, Array>,
+    table: Table,
+}
+
+enum Table {
+    /// The `[vocab, hidden]` table, and its `[hidden, vocab]` view as a tied head.
+    Dense { table: Array, head: DenseProduct },
+    Quantized(Quantized),
 }
 
 impl Embedding {
     pub fn load(w: &mut dyn WeightSource, prefix: &str, vocab: i32, hidden: i32) -> Result<Self> {
-        let table = if w.contains(&format!("{prefix}.scales")) {
-            Ok(load_quantized(w, prefix, vocab, hidden)?)
-        } else {
-            let dense = w.tensor(&format!("{prefix}.weight"), &[vocab, hidden])?;
-            maybe_quantize(dense, w.options().quantize)?
+        if w.contains(&format!("{prefix}.scales")) {
+            return Ok(Embedding {
+                table: Table::Quantized(load_quantized(w, prefix, vocab, hidden)?),
+            });
+        }
+        let dense = w.tensor(&format!("{prefix}.weight"), &[vocab, hidden])?;
+        let table = match maybe_quantize(dense, w.options().quantize)? {
+            Ok(q) => Table::Quantized(q),
+            Err(table) => Table::Dense {
+                head: DenseProduct::new(table.t()),
+                table,
+            },
         };
-        Ok(Self { table })
+        Ok(Embedding { table })
     }
 
     /// `[..] ids -> [.., hidden]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match &self.table {
-            Err(dense) => Ok(dense.take_axis(ids, 0)?),
-            Ok(q) => {
+            Table::Dense { table, .. } => Ok(table.take_axis(ids, 0)?),
+            Table::Quantized(q) => {
                 let rows = |a: &Array| a.take_axis(ids, 0);
                 Ok(dequantize(
                     rows(&q.weight)?,
@@ -342,15 +394,15 @@ impl Embedding {
     /// `x Eᵀ`: logits through the embedding table (tied heads).
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.table {
-            Err(dense) => dense_matmul(x, &dense.t()),
-            Ok(q) => q.matmul_t(x),
+            Table::Dense { head, .. } => head.forward(x),
+            Table::Quantized(q) => q.matmul_t(x),
         }
     }
 
     pub fn dtype(&self) -> mlx_rs::Dtype {
         match &self.table {
-            Err(dense) => dense.dtype(),
-            Ok(q) => q.scales.dtype(),
+            Table::Dense { table, .. } => table.dtype(),
+            Table::Quantized(q) => q.scales.dtype(),
         }
     }
 }
@@ -655,4 +707,44 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
 /// Positions `[start, end)` of the sequence axis (axis 2 of `[B, H, L, D]`).
 pub fn seq_slice(x: &Array, start: i32, end: i32) -> Result<Array> {
     slice_axis(x, 2, start, end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::ops::indexing::TryIndexOp;
+    use mlx_rs::random;
+
+    /// Both row layouts hold the rows of `x` and multiply each by the weight alone: the
+    /// values equal one-row products (bitwise with the CPU's layout, on the CPU where it
+    /// is used; the CUDA layout's bitwise claim is checked on a GPU by
+    /// scripts/gpu_rowwise_check.py).
+    #[test]
+    fn row_layouts_multiply_each_row_alone() {
+        let key = random::key(3).unwrap();
+        let x = random::normal::<f32>(&[4, 1, 64], None, None, Some(&key)).unwrap();
+        let w = random::normal::<f32>(&[48, 64], None, None, Some(&random::key(4).unwrap()))
+            .unwrap();
+        let product = DenseProduct::new(w.t());
+        for backend in [Backend::Cuda, Backend::Cpu] {
+            let apart = rows_apart(&x, backend).unwrap();
+            assert_eq!(apart.shape(), &[4, 1, 64], "{backend:?}");
+            let rows = matmul(&apart, &product.broadcast(4).unwrap()).unwrap();
+            for r in 0..4 {
+                let one = matmul(&x.try_index(r..r + 1).unwrap(), &product.weight_t).unwrap();
+                let row = rows.try_index(r..r + 1).unwrap();
+                assert!(
+                    row.all_close(&one, 1e-5, 1e-5, None).unwrap(),
+                    "{backend:?}: row {r}"
+                );
+                if backend == Backend::Cpu {
+                    assert!(row.eq_values(&one).unwrap(), "{backend:?}: row {r} not bitwise");
+                }
+            }
+        }
+        // One broadcast per row count, reused.
+        product.broadcast(4).unwrap();
+        product.broadcast(2).unwrap();
+        assert_eq!(product.row_weights.borrow().len(), 2);
+    }
 }

@@ -9,7 +9,7 @@ use dspec_plugin_api::error::Result;
 use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
-use crate::attention::{attention_mask, Attention, AttentionSpec};
+use crate::attention::{attention_mask, Attention, AttentionSpec, Mask};
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
 
 /// Where the norms sit around each sub-block.
@@ -115,7 +115,7 @@ impl DecoderLayer {
         &self,
         x: &Array,
         cache: &mut dspec_plugin_api::KvCache,
-        mask: Option<&Array>,
+        mask: &Mask,
     ) -> Result<Array> {
         let out = self.residual_blocks(x, cache, mask)?;
         match &self.layer_scalar {
@@ -128,7 +128,7 @@ impl DecoderLayer {
         &self,
         x: &Array,
         cache: &mut dspec_plugin_api::KvCache,
-        mask: Option<&Array>,
+        mask: &Mask,
     ) -> Result<Array> {
         match &self.ffn_norms {
             None => {
@@ -250,7 +250,7 @@ impl TargetModel for Decoder {
             }
         };
         // One mask per distinct window, shared by the layers that use it.
-        let mut masks: HashMap<Option<i32>, Option<Array>> = HashMap::new();
+        let mut masks: HashMap<Option<i32>, Mask> = HashMap::new();
         let mut h = self.embed(tokens)?;
         if rows {
             h = h.reshape(&[len, 1, hidden_size])?;
@@ -261,12 +261,12 @@ impl TargetModel for Decoder {
             let window = layer.attn.sliding_window();
             let mask = match masks.entry(window) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) if rows => e.insert(None),
+                std::collections::hash_map::Entry::Vacant(e) if rows => e.insert(Mask::All),
                 std::collections::hash_map::Entry::Vacant(e) => {
                     e.insert(attention_mask(offset, len, window)?)
                 }
             };
-            h = layer.forward(&h, layer_cache, mask.as_ref())?;
+            h = layer.forward(&h, layer_cache, mask)?;
             if taps.contains(&i) {
                 tapped.offer(i, &as_sequence(&h)?);
             }

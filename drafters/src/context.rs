@@ -7,6 +7,7 @@
 use mlx_rs::ops::arange;
 use mlx_rs::{Array, Dtype};
 
+use dspec_adapters::attention::Mask;
 use dspec_adapters::layers::{Linear, RmsNorm};
 use dspec_adapters::transformer::DecoderLayer;
 use dspec_plugin_api::error::{ModelError, Result};
@@ -94,7 +95,7 @@ impl ContextLayers {
         let (context, block) = (self.len(), x.shape()[1]);
         for (layer, cache) in self.layers.iter().zip(self.caches.iter_mut()) {
             let mask = block_mask(context as i32, block, layer.attention().sliding_window());
-            let out = mask.and_then(|mask| layer.forward(&x, cache, mask.as_ref()));
+            let out = mask.and_then(|mask| layer.forward(&x, cache, &mask));
             // The layer appended the block's keys and values; they go again (an offset
             // move) even when it failed, so the context never holds unverified positions.
             cache.trim(cache.offset() - context);
@@ -107,13 +108,13 @@ impl ContextLayers {
 /// Which keys of `[context ; block]` the block's queries see under a sliding window:
 /// every block key (no causal mask inside the block), and context keys fewer than
 /// `window` positions behind the query. `None` without a window: everything.
-fn block_mask(context: i32, block: i32, window: Option<i32>) -> Result<Option<Array>> {
+fn block_mask(context: i32, block: i32, window: Option<i32>) -> Result<Mask> {
     let Some(window) = window else {
-        return Ok(None);
+        return Ok(Mask::All);
     };
     let q_pos = arange::<_, i32>(context, context + block, None)?.reshape(&[block, 1])?;
     let k_pos = arange::<_, i32>(0, context + block, None)?.reshape(&[1, context + block])?;
     let in_block = k_pos.ge(Array::from_int(context))?;
     let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(window))?;
-    Ok(Some(in_block.logical_or(&near)?))
+    Ok(Mask::Keys(in_block.logical_or(&near)?))
 }

@@ -19,6 +19,13 @@ use dspec_plugin_api::{
 /// Longest prompt slice fed to the draft model in one forward while starting.
 const PREFILL_CHUNK: usize = 512;
 
+/// Most verified tokens the draft model has not seen (after a round that kept every
+/// draft: the last one) that go in one one-token step each rather than with `last` in
+/// one forward. On a GPU a one-token step is the cheap one: an H100 trace had rounds
+/// after a fully kept draft spending 4.5 ms more on drafting (2-token forward first)
+/// than the 7.4 ms of rounds after a rejection (four one-token steps).
+const ONE_BY_ONE: usize = 2;
+
 pub struct DraftModelDrafter {
     model: Box<dyn TargetModel>,
     cache: ModelCache,
@@ -101,6 +108,14 @@ impl Drafter for DraftModelDrafter {
             return Ok(draft);
         }
         let mut input = std::mem::take(&mut self.pending);
+        if input.len() <= ONE_BY_ONE {
+            // Fed as drafting steps are, one token each (lazily: their logits are never
+            // asked for, only the cache entries).
+            for token in input.drain(..) {
+                let one = Array::from_slice(&[token], &[1, 1]);
+                self.model.forward(&one, &mut self.cache, &[])?;
+            }
+        }
         input.push(last);
         self.speculative = vec![last];
         let first = Array::from_slice(&input, &[1, input.len() as i32]);

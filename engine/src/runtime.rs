@@ -3,7 +3,7 @@
 
 use std::ffi::CStr;
 
-use mlx_rs::{Device, DeviceType, Dtype};
+pub use dspec_plugin_api::backend::Backend;
 
 /// MLX's version string as reported by the loaded libmlx.
 pub fn mlx_version() -> String {
@@ -39,51 +39,6 @@ pub fn exit_process(code: i32) -> ! {
     // SAFETY: `_exit` ends the process at once; everything buffered was flushed above and
     // no file dspec writes is left half-done (each is closed where it is written).
     unsafe { libc::_exit(code) }
-}
-
-/// The default device kind MLX picked: GPU when the loaded libmlx has a usable one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    Cpu,
-    Cuda,
-    Metal,
-}
-
-impl Backend {
-    pub fn detect() -> Backend {
-        let is_gpu = matches!(
-            Device::try_default().ok().and_then(|d| d.get_type().ok()),
-            Some(DeviceType::Gpu)
-        );
-        if !is_gpu {
-            return Backend::Cpu;
-        }
-        let mut cuda = false;
-        // SAFETY: writes one bool.
-        let status = unsafe { mlx_sys::mlx_cuda_is_available(&mut cuda) };
-        if status == 0 && cuda {
-            Backend::Cuda
-        } else {
-            Backend::Metal
-        }
-    }
-
-    pub fn device_name(self) -> &'static str {
-        match self {
-            Backend::Cpu => "cpu",
-            Backend::Cuda => "gpu (cuda)",
-            Backend::Metal => "gpu (metal)",
-        }
-    }
-
-    /// `--dtype auto`: f32 on the CPU backend, where bf16 decodes about 3× slower
-    /// (measured on this project's dev machines); the checkpoint's own dtype on a GPU.
-    pub fn auto_dtype(self) -> Option<Dtype> {
-        match self {
-            Backend::Cpu => Some(Dtype::Float32),
-            Backend::Cuda | Backend::Metal => None,
-        }
-    }
 }
 
 /// The multi-line text of `dspec --version`.
@@ -126,11 +81,5 @@ mod tests {
     #[test]
     fn reports_the_pinned_mlx_version() {
         assert_eq!(mlx_version(), "0.32.2");
-    }
-
-    #[test]
-    fn auto_dtype_is_f32_on_cpu_and_checkpoint_dtype_on_gpu() {
-        assert_eq!(Backend::Cpu.auto_dtype(), Some(Dtype::Float32));
-        assert_eq!(Backend::Cuda.auto_dtype(), None);
     }
 }

@@ -256,9 +256,11 @@ pub fn generate_speculative(
         None => argmax_all(&logits)?[0],
         Some(s) => s.sample(&logits_to_host(&logits)?),
     };
+    // The drafter reads the prompt too (a draft model prefills its own cache): that is
+    // prompt processing, timed with the target's, as mlx-lm times its draft model's.
+    drafter.begin(model, prompt, prompt_hidden.as_ref())?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
-    drafter.begin(model, prompt, prompt_hidden.as_ref())?;
 
     let mut draft_time = Duration::ZERO;
     let mut histogram = vec![0usize; max_draft + 1];

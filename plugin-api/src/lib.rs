@@ -5,6 +5,7 @@
 //! the engine only ever talks to a `Box<dyn TargetModel>`. External plugins cross a
 //! C ABI ([`plugin`]) and are wrapped back into the same trait.
 
+pub mod backend;
 pub mod cache;
 pub mod conformance;
 pub mod drafter;

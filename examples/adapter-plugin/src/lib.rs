@@ -9,12 +9,12 @@
 
 use std::path::Path;
 
-use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::fast::scaled_dot_product_attention;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{nn, Array};
 use serde::Deserialize;
 
-use dspec_adapters::attention::attention_mask;
+use dspec_adapters::attention::{attention_mask, Mask};
 use dspec_adapters::config::{parse_config, CommonConfig};
 use dspec_adapters::layers::{Embedding, Linear, NormWeight, RmsNorm, Rope};
 use dspec_plugin_api::error::{ModelError, Result};
@@ -76,7 +76,7 @@ impl Phi3Attention {
         })
     }
 
-    fn forward(&self, x: &Array, cache: &mut KvCache, mask: Option<&Array>) -> Result<Array> {
+    fn forward(&self, x: &Array, cache: &mut KvCache, mask: &Mask) -> Result<Array> {
         let (b, len) = (x.shape()[0], x.shape()[1]);
         let offset = cache.offset() as i32;
         let qkv = self.qkv.forward(x)?;
@@ -95,8 +95,7 @@ impl Phi3Attention {
             .forward(&heads(q_end..k_end, self.kv_heads)?, offset)?;
         let v = heads(k_end..k_end + self.kv_heads * self.head_dim, self.kv_heads)?;
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
-        let mask = mask.map(ScaledDotProductAttentionMask::Array);
-        let out = scaled_dot_product_attention(&q, &keys, &values, self.scale, mask, None)?
+        let out = scaled_dot_product_attention(&q, &keys, &values, self.scale, mask.for_sdpa(), None)?
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, len, self.heads * self.head_dim])?;
         self.o.forward(&out)
@@ -244,7 +243,7 @@ impl TargetModel for Phi3 {
             let attn =
                 layer
                     .attn
-                    .forward(&layer.input_norm.forward(&h)?, layer_cache, mask.as_ref())?;
+                    .forward(&layer.input_norm.forward(&h)?, layer_cache, &mask)?;
             let x = h.add(attn)?;
             h = x.add(layer.mlp.forward(&layer.post_attn_norm.forward(&x)?)?)?;
             tapped.offer(i, &h);
