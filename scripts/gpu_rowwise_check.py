@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""Checks, on the machine's default MLX device (a CUDA GPU), the kernel facts dspec's
-row-layout verify rests on (bitwise equality with one-token decoding):
-  - attention: a group of up to three causal queries is computed exactly as each query
-    alone over the keys it may see, when every query of the group is on the same side of
-    the vector kernel's two-pass key count (1024 in MLX 0.32.2);
-  - products: R rows handed over as the view [R, in, 1] swapped to [R, 1, in], times the
-    weight broadcast to [R, in, out], are computed exactly as R one-row products.
+"""Checks, on the machine's default MLX device (a CUDA GPU), the kernel fact dspec's
+row-layout verify rests on (bitwise equality with one-token decoding): R rows handed over
+as the view [R, in, 1] swapped to [R, 1, in], times the weight broadcast to [R, in, out],
+are computed exactly as R one-row products. Exits non-zero when they are not.
+
+For information it also shows what dspec avoids: rows a row's width apart (which MLX
+folds into one matrix product) and two or three causal queries in one attention call
+(on an H100 with MLX 0.32.2 both differ from one-row calls, which is why the row layout
+attends position by position).
 Shapes are Qwen2.5-Coder-1.5B's (12 query heads, 2 KV heads, head_dim 128; hidden 1536,
-MLP 8960), bf16. Prints one line per case and exits non-zero when a layout dspec uses
-differs. Layouts dspec avoids (a group straddling the two-pass count, rows a row's width
-apart, which MLX folds into one matrix product) are shown for information only.
+MLP 8960), bf16.
 
 Usage (where `import mlx` works, e.g. the GPU machine): python3 scripts/gpu_rowwise_check.py
 """
@@ -19,12 +19,11 @@ import sys
 import mlx.core as mx
 
 HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
-TWO_PASS_KEYS = 1024
 
 
 def case(offset, rows, seed):
-    """Max |difference| (0.0 when bitwise equal) between a grouped causal call over
-    `rows` queries after `offset` cached keys and one call per query."""
+    """Max |difference| (0.0 when bitwise equal) between one causal call over `rows`
+    queries after `offset` cached keys and one call per query."""
     mx.random.seed(seed)
     total = offset + rows
     # Queries laid out as dspec's packed heads leave them: a transposed view.
@@ -68,16 +67,12 @@ def main():
         verdict = "equal" if apart == 0.0 else f"DIFFERS (max {apart:.3g})"
         print(f"product rows {rows} {k}x{n}: {verdict}; folded rows would differ by {folded:.3g}")
         failures += apart != 0.0
-    for offset in [4, 37, 300, 1017, 1020, 1021, 1024, 1500, 4000]:
+    for offset in [4, 300, 1500]:
         for rows in [2, 3]:
-            straddles = (offset + 1 > TWO_PASS_KEYS) != (offset + rows > TWO_PASS_KEYS)
             diff = case(offset, rows, seed=offset * 10 + rows)
-            verdict = "equal" if diff == 0.0 else f"DIFFERS (max {diff:.3g})"
-            note = " (straddles the two-pass count: dspec never groups these)" if straddles else ""
-            print(f"offset {offset:5} rows {rows}: {verdict}{note}")
-            if diff != 0.0 and not straddles:
-                failures += 1
-    print("ok" if failures == 0 else f"{failures} grouped case(s) differ")
+            print(f"attention, {rows} causal queries in one call after {offset} keys: "
+                  f"{'equal' if diff == 0.0 else f'differs by {diff:.3g}'} (information)")
+    print("ok" if failures == 0 else f"{failures} product layout(s) differ")
     return 1 if failures else 0
 
 

@@ -11,6 +11,7 @@ use dspec_plugin_api::error::Result;
 use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{KvCache, WeightSource};
 
+use crate::cuda::attention as cuda_attention;
 use crate::layers::{
     is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight, RmsNorm,
     Rope,
@@ -309,6 +310,13 @@ impl Attention {
         };
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
         let len = q.shape()[2];
+        // Decoding and verifies on CUDA: one kernel for every position (see the module).
+        if (rows || len == 1)
+            && cuda_attention::serves(s.head_dim, q.dtype(), s.softcap.is_some())
+        {
+            let out = cuda_attention::attend(&q, &keys, &values, s.scale, s.sliding_window)?;
+            return self.o.forward(&out);
+        }
 
         let out = if rows {
             // One call per position: MLX's CUDA attention (0.32.2) computes several causal

@@ -13,6 +13,7 @@ use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{LoraUpdate, Quantization, WeightSource};
 
+use crate::cuda;
 use crate::lora::{merged_weight, LoraDelta};
 
 /// Quantized weight parts, as MLX's affine quantization stores them.
@@ -157,36 +158,39 @@ pub fn is_row_layout(x: &Array) -> bool {
     shape.len() == 3 && shape[0] > 1 && shape[1] == 1
 }
 
-/// `x · w` for a dense weight, kept as its `[in, out]` view (a free transpose) so the
-/// product is a plain matmul.
+/// `x · wᵀ` for a dense `[out, in]` weight, also kept as its `[in, out]` view (a free
+/// transpose) so a product is a plain matmul.
 ///
-/// In the row layout the product is issued as R batched vector-matrix products, each
-/// exactly the one-token call, over the weight broadcast to `[R, in, out]`. MLX folds a
-/// batch of one-row products into one matrix-matrix product (which rounds differently)
-/// when the rows lie a row's width apart, so they are handed over otherwise:
-/// - on CUDA, as the view `[R, in, 1]` swapped to `[R, 1, in]` (strides `[in, 1, 1]`,
-///   the same memory): MLX reads transposed one-row matrices, which its CUDA
-///   matrix-vector kernel takes as they are (no fold, no copy);
-/// - elsewhere, two rows apart (`x` doubled, every other row): the CPU's BLAS computes
-///   a transposed one-row product differently from the one-token call.
-///
-/// The broadcast weight is made once per R and kept: evaluated, it is a leaf of later
-/// graphs instead of a node queued again in every layer of every verify (nodes are what
-/// a GPU step's host time goes to).
+/// Decoding and the row layout (R positions as `[R, 1, in]`) must compute each position
+/// exactly as a one-token step would: MLX rounds a matrix-matrix product differently
+/// from a matrix-vector one, and a greedy verify would drift from plain decoding at
+/// near-ties.
+/// - With dspec's CUDA kernels on ([`cuda::available`]) both go through
+///   [`cuda::matvec`]: one node, the weight read once for all rows, each row computed
+///   alike for any row count.
+/// - Otherwise the row layout issues R batched vector-matrix products over the weight
+///   broadcast to `[R, in, out]`, with the rows laid out by [`rows_apart`]. The
+///   broadcast is made once per R and kept: evaluated, it is a leaf of later graphs
+///   instead of a node queued again in every layer of every verify.
 struct DenseProduct {
+    weight: Array,
     weight_t: Array,
     row_weights: RefCell<Vec<(i32, Array)>>,
 }
 
 impl DenseProduct {
-    fn new(weight_t: Array) -> Self {
+    fn new(weight: Array) -> Self {
         Self {
-            weight_t,
+            weight_t: weight.t(),
+            weight,
             row_weights: RefCell::new(Vec::new()),
         }
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
+        if cuda::matvec::serves(x, &self.weight) {
+            return cuda::matvec::product(x, &self.weight);
+        }
         if !is_row_layout(x) {
             return Ok(matmul(x, &self.weight_t)?);
         }
@@ -207,8 +211,15 @@ impl DenseProduct {
     }
 }
 
-/// The rows of `x` (`[R, 1, in]`) as `backend`'s one-row kernels take them one by one
-/// (see [`DenseProduct`]).
+/// The rows of `x` (`[R, 1, in]`) laid out so that MLX multiplies each by itself with
+/// its one-row kernel instead of folding them into one matrix-matrix product (which it
+/// does when rows lie a row's width apart and are not flagged transposed):
+/// - on CUDA, the view `[R, in, 1]` swapped to `[R, 1, in]` (strides `[in, 1, 1]`, the
+///   same memory): MLX reads transposed one-row matrices, which its CUDA matrix-vector
+///   kernel takes as they are (no fold, no copy; bitwise equal to one-row products on an
+///   H100, scripts/gpu_rowwise_check.py);
+/// - elsewhere, two rows apart (`x` doubled, every other row): the CPU's BLAS computes a
+///   transposed one-row product differently from the one-token call.
 fn rows_apart(x: &Array, backend: Backend) -> Result<Array> {
     let (rows, k) = (x.shape()[0], x.shape()[2]);
     match backend {
@@ -261,7 +272,7 @@ impl Linear {
             }
             match maybe_quantize(dense, w.options().quantize)? {
                 Ok(q) => LinearWeight::Quantized(q),
-                Err(dense) => LinearWeight::Dense(DenseProduct::new(dense.t())),
+                Err(dense) => LinearWeight::Dense(DenseProduct::new(dense)),
             }
         };
         let bias = if bias {
@@ -312,21 +323,21 @@ impl Linear {
             let (LinearWeight::Dense(d), None) = (&part.weight, &part.lora) else {
                 return Ok(None);
             };
-            weights.push(d.weight_t.t());
+            weights.push(d.weight.clone());
             biases.extend(part.bias.clone());
         }
         if !biases.is_empty() && biases.len() != parts.len() {
             return Ok(None);
         }
-        // `[out, in]` blocks stacked, then viewed transposed like every dense weight, so
-        // products see the same layout (and MLX's CUDA backend the same kernels).
-        let weight_t = concatenate(&weights, 0)?.t();
+        // `[out, in]` blocks stacked, like every dense weight, so products see the same
+        // layout (and MLX's CUDA backend the same kernels).
+        let weight = concatenate(&weights, 0)?;
         let bias = match biases.is_empty() {
             true => None,
             false => Some(concatenate(&biases, 0)?),
         };
         Ok(Some(Linear {
-            weight: LinearWeight::Dense(DenseProduct::new(weight_t)),
+            weight: LinearWeight::Dense(DenseProduct::new(weight)),
             bias,
             lora: None,
         }))
@@ -367,7 +378,7 @@ impl Embedding {
         let table = match maybe_quantize(dense, w.options().quantize)? {
             Ok(q) => Table::Quantized(q),
             Err(table) => Table::Dense {
-                head: DenseProduct::new(table.t()),
+                head: DenseProduct::new(table.clone()),
                 table,
             },
         };
@@ -715,36 +726,40 @@ mod tests {
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
 
-    /// Both row layouts hold the rows of `x` and multiply each by the weight alone: the
-    /// values equal one-row products (bitwise with the CPU's layout, on the CPU where it
-    /// is used; the CUDA layout's bitwise claim is checked on a GPU by
-    /// scripts/gpu_rowwise_check.py).
+    /// The row layout's products equal one-row products, bitwise, on whichever backend
+    /// runs the test (the portable layout on a CPU, dspec's kernel on CUDA), and the
+    /// portable layout keeps one broadcast weight per row count.
     #[test]
-    fn row_layouts_multiply_each_row_alone() {
+    fn row_products_equal_one_row_products() {
         let key = random::key(3).unwrap();
         let x = random::normal::<f32>(&[4, 1, 64], None, None, Some(&key)).unwrap();
         let w = random::normal::<f32>(&[48, 64], None, None, Some(&random::key(4).unwrap()))
             .unwrap();
-        let product = DenseProduct::new(w.t());
+        let product = DenseProduct::new(w);
+        let rows = product.forward(&x).unwrap();
+        assert_eq!(rows.shape(), &[4, 1, 48]);
+        for r in 0..4 {
+            let one = product.forward(&x.try_index(r..r + 1).unwrap()).unwrap();
+            let row = rows.try_index(r..r + 1).unwrap();
+            assert!(row.eq_values(&one).unwrap(), "row {r} differs from its one-row product");
+        }
+        // Both layouts hold the rows of `x`: their products equal one-row products in
+        // value on any backend (bitwise is each backend's own claim, checked above for
+        // the one running the test).
         for backend in [Backend::Cuda, Backend::Cpu] {
             let apart = rows_apart(&x, backend).unwrap();
-            assert_eq!(apart.shape(), &[4, 1, 64], "{backend:?}");
             let rows = matmul(&apart, &product.broadcast(4).unwrap()).unwrap();
             for r in 0..4 {
                 let one = matmul(&x.try_index(r..r + 1).unwrap(), &product.weight_t).unwrap();
                 let row = rows.try_index(r..r + 1).unwrap();
-                assert!(
-                    row.all_close(&one, 1e-5, 1e-5, None).unwrap(),
-                    "{backend:?}: row {r}"
-                );
-                if backend == Backend::Cpu {
-                    assert!(row.eq_values(&one).unwrap(), "{backend:?}: row {r} not bitwise");
-                }
+                assert!(row.all_close(&one, 1e-5, 1e-5, None).unwrap(), "{backend:?}: row {r}");
             }
         }
-        // One broadcast per row count, reused.
-        product.broadcast(4).unwrap();
-        product.broadcast(2).unwrap();
-        assert_eq!(product.row_weights.borrow().len(), 2);
+        if !cuda::matvec::serves(&x, &product.weight) {
+            product.forward(&x.try_index(0..2).unwrap()).unwrap();
+            product.forward(&x).unwrap();
+            let counts: Vec<i32> = product.row_weights.borrow().iter().map(|(r, _)| *r).collect();
+            assert_eq!(counts, [4, 2]);
+        }
     }
 }
