@@ -311,9 +311,7 @@ impl Attention {
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
         let len = q.shape()[2];
         // Decoding and verifies on CUDA: one kernel for every position (see the module).
-        if (rows || len == 1)
-            && cuda_attention::serves(s.head_dim, q.dtype(), s.softcap.is_some())
-        {
+        if (rows || len == 1) && cuda_attention::serves(&q, s.softcap.is_some()) {
             let out = cuda_attention::attend(&q, &keys, &values, s.scale, s.sliding_window)?;
             return self.o.forward(&out);
         }

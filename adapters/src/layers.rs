@@ -232,7 +232,7 @@ impl LinearWeight {
     /// The dtype activations meet this weight in.
     fn dtype(&self) -> mlx_rs::Dtype {
         match self {
-            LinearWeight::Dense(d) => d.weight_t.dtype(),
+            LinearWeight::Dense(d) => d.weight.dtype(),
             LinearWeight::Quantized(q) => q.scales.dtype(),
         }
     }
@@ -362,8 +362,8 @@ pub struct Embedding {
 }
 
 enum Table {
-    /// The `[vocab, hidden]` table, and its `[hidden, vocab]` view as a tied head.
-    Dense { table: Array, head: DenseProduct },
+    /// The `[vocab, hidden]` table: rows to gather, and a tied head's weight.
+    Dense(DenseProduct),
     Quantized(Quantized),
 }
 
@@ -377,10 +377,7 @@ impl Embedding {
         let dense = w.tensor(&format!("{prefix}.weight"), &[vocab, hidden])?;
         let table = match maybe_quantize(dense, w.options().quantize)? {
             Ok(q) => Table::Quantized(q),
-            Err(table) => Table::Dense {
-                head: DenseProduct::new(table.clone()),
-                table,
-            },
+            Err(table) => Table::Dense(DenseProduct::new(table)),
         };
         Ok(Embedding { table })
     }
@@ -388,7 +385,7 @@ impl Embedding {
     /// `[..] ids -> [.., hidden]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match &self.table {
-            Table::Dense { table, .. } => Ok(table.take_axis(ids, 0)?),
+            Table::Dense(d) => Ok(d.weight.take_axis(ids, 0)?),
             Table::Quantized(q) => {
                 let rows = |a: &Array| a.take_axis(ids, 0);
                 Ok(dequantize(
@@ -405,14 +402,14 @@ impl Embedding {
     /// `x Eᵀ`: logits through the embedding table (tied heads).
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.table {
-            Table::Dense { head, .. } => head.forward(x),
+            Table::Dense(d) => d.forward(x),
             Table::Quantized(q) => q.matmul_t(x),
         }
     }
 
     pub fn dtype(&self) -> mlx_rs::Dtype {
         match &self.table {
-            Table::Dense { table, .. } => table.dtype(),
+            Table::Dense(d) => d.weight.dtype(),
             Table::Quantized(q) => q.scales.dtype(),
         }
     }

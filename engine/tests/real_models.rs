@@ -4,7 +4,6 @@
 //! runs too when DSPEC_HEAVY_TESTS=1.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
@@ -13,7 +12,7 @@ use dspec_engine::gguf::GgufFile;
 use dspec_engine::tokenizer::TextTokenizer;
 
 mod common;
-use common::fetch_real_model;
+use common::{dspec_json, fetch_real_model};
 
 fn smollm2() -> &'static (PathBuf, PathBuf) {
     static MODEL: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
@@ -32,17 +31,10 @@ fn generate(dir: &Path, prompt: &str, max_tokens: &str, extra: &[&str]) -> Strin
         max_tokens,
     ];
     args.extend_from_slice(extra);
-    let out = Command::new(env!("CARGO_BIN_EXE_dspec"))
-        .args(&args)
-        .output()
-        .expect("run dspec");
-    assert!(
-        out.status.success(),
-        "dspec {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    json["text"].as_str().unwrap_or_default().to_string()
+    dspec_json(&args)["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
 }
 
 #[test]
@@ -206,28 +198,19 @@ fn bench(target: &Path, drafter: &str, prompt: &str, max_tokens: &str) -> serde_
         serde_json::json!({ "prompt": prompt }).to_string(),
     )
     .expect("write");
-    let out = Command::new(env!("CARGO_BIN_EXE_dspec"))
-        .args([
-            "bench",
-            "--target",
-            target.to_str().unwrap(),
-            "--drafter",
-            drafter,
-            "--prompts",
-            prompts.to_str().unwrap(),
-            "--max-tokens",
-            max_tokens,
-            "--json",
-        ])
-        .output()
-        .expect("run dspec bench");
-    assert!(
-        out.status.success(),
-        "dspec bench: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    json["report"].clone()
+    dspec_json(&[
+        "bench",
+        "--target",
+        target.to_str().unwrap(),
+        "--drafter",
+        drafter,
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-tokens",
+        max_tokens,
+        "--json",
+    ])["report"]
+        .clone()
 }
 
 #[test]

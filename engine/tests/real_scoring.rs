@@ -11,7 +11,7 @@ use dspec_engine::scoring::{Scorer, ScorerAdapter, Variant, Windowing};
 use dspec_plugin_api::LoadOptions;
 
 mod common;
-use common::fetch_real_model;
+use common::{dspec_json, fetch_real_model};
 
 /// The converted SmolLM2 (fetched and converted on first use, cached after).
 fn smollm2() -> PathBuf {
@@ -21,18 +21,15 @@ fn smollm2() -> PathBuf {
 #[test]
 fn smollm2_finds_paris_far_more_likely_than_berlin() {
     let dir = smollm2();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dspec"))
-        .args(["score", "--target", dir.to_str().unwrap(), "--input"])
-        .arg(write_requests())
-        .arg("--json")
-        .output()
-        .expect("run dspec");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let requests = write_requests();
+    let json = dspec_json(&[
+        "score",
+        "--target",
+        dir.to_str().unwrap(),
+        "--input",
+        requests.to_str().unwrap(),
+        "--json",
+    ]);
     let results = json["results"].as_array().expect("results");
     let next = &results[0]["base"];
     assert_eq!(next["top"][0]["token"], " Paris", "{next}");

@@ -10,11 +10,11 @@
 //! reads. MLX's own attention computes several causal queries differently from one
 //! (scripts/gpu_rowwise_check.py shows it on an H100).
 
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
 
-use super::{apply, available, Kernel, Launch};
+use super::{apply, available, enabled, Kernel, Launch};
 
 /// Warps per (head, position) block.
 const WARPS: i32 = 8;
@@ -107,9 +107,14 @@ thread_local! {
     static KERNEL: Kernel = Kernel::new("dspec_cached_attention", &["q", "k", "v"], SOURCE, false);
 }
 
-/// Whether [`attend`] serves a layer of this shape on this machine.
-pub fn serves(head_dim: i32, dtype: Dtype, softcap: bool) -> bool {
-    available(dtype) && !softcap && head_dim % 32 == 0 && head_dim <= 256
+/// Whether [`attend`] serves `q` (`[1, heads, R, D]`) of a layer with or without
+/// score softcapping on this machine.
+pub fn serves(q: &Array, softcap: bool) -> bool {
+    if !enabled() || softcap {
+        return false;
+    }
+    let head_dim = q.shape()[3];
+    available(q.dtype()) && head_dim % 32 == 0 && head_dim <= 256
 }
 
 /// Attention of the R positions of `q` (`[1, heads, R, D]`, the last R positions of the
@@ -133,10 +138,10 @@ pub fn attend(
                 grid: (WARPS * 32, heads, rows),
                 block: WARPS * 32,
                 ints: &[
-                    ("D", head_dim),
-                    ("WARPS", WARPS),
-                    ("WINDOW", window.unwrap_or(0)),
-                    ("SCALE_BITS", scale.to_bits() as i32),
+                    (c"D", head_dim),
+                    (c"WARPS", WARPS),
+                    (c"WINDOW", window.unwrap_or(0)),
+                    (c"SCALE_BITS", scale.to_bits() as i32),
                 ],
             },
         )
@@ -146,6 +151,7 @@ pub fn attend(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::Dtype;
     use crate::attention::attention_mask;
     use mlx_rs::fast::scaled_dot_product_attention;
     use mlx_rs::ops::indexing::TryIndexOp;
@@ -158,11 +164,12 @@ mod tests {
     /// grouped KV heads.
     #[test]
     fn positions_attend_alone_and_like_mlx() {
+        let probe = Array::zeros::<f32>(&[1, 12, 1, 128]).unwrap().as_dtype(Dtype::Bfloat16).unwrap();
         if !available(Dtype::Bfloat16) {
-            assert!(!serves(128, Dtype::Bfloat16, false));
+            assert!(!serves(&probe, false));
             return;
         }
-        assert!(!serves(128, Dtype::Bfloat16, true), "softcapping needs MLX's path");
+        assert!(!serves(&probe, true), "softcapping needs MLX's path");
         for (head_dim, window, total) in [(128, None, 300), (64, None, 1500), (128, Some(100), 300)] {
             let (heads, kv_heads, rows) = (12, 2, 5);
             let key = random::key(head_dim as u64 + total as u64).unwrap();

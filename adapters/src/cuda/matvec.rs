@@ -16,7 +16,7 @@ use mlx_rs::{Array, Dtype};
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::slicing::slice_axis;
 
-use super::{apply, available, Kernel};
+use super::{apply, available, enabled, Kernel};
 use super::Launch;
 
 /// Rows one kernel call takes; more go in groups of this many (each row's arithmetic is
@@ -103,6 +103,9 @@ thread_local! {
 
 /// Whether [`product`] serves `x` (`[R, 1, in]`) times `weight` (`[out, in]`) here.
 pub fn serves(x: &Array, weight: &Array) -> bool {
+    if !enabled() {
+        return false;
+    }
     let (xs, ws) = (x.shape(), weight.shape());
     let dtype = weight.dtype();
     // Elements per 16-byte load: `in` must be a whole number of them.
@@ -145,7 +148,7 @@ fn product_of_group(x: &Array, weight: &Array) -> Result<Array> {
                 dtype: weight.dtype(),
                 grid: (columns * 32, 1, 1),
                 block: WARPS * 32,
-                ints: &[("WARPS", WARPS), ("ROWS", ROWS)],
+                ints: &[(c"WARPS", WARPS), (c"ROWS", ROWS)],
             },
         )
     })

@@ -13,7 +13,7 @@
 pub mod attention;
 pub mod matvec;
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::sync::OnceLock;
 
 use mlx_rs::{Array, Dtype, Stream};
@@ -21,7 +21,9 @@ use mlx_rs::{Array, Dtype, Stream};
 use dspec_plugin_api::backend::Backend;
 use dspec_plugin_api::error::{ModelError, Result};
 
-/// Whether the kernels run here and take `dtype`: on CUDA, when `DSPEC_CUDA_KERNELS=1`.
+/// Whether the kernels are switched on and run here: on CUDA, with
+/// `DSPEC_CUDA_KERNELS=1`, read once. Checked first on the decode path, before anything
+/// asks MLX for shapes or dtypes.
 ///
 /// Opt-in while they are slower where it counts: on an H100 with the real Qwen2.5-Coder
 /// pair, plain decoding with them ran at 261 tok/s (2.15x mlx-lm's on that machine), but
@@ -29,14 +31,17 @@ use dspec_plugin_api::error::{ModelError, Result};
 /// 5-token verifies still taking 7.4 ms and its drafting rounds after a fully kept draft
 /// 29 ms against 12 ms after a rejection. Until that is understood, MLX's kernels in the
 /// portable row layout stay the default.
-pub fn available(dtype: Dtype) -> bool {
+pub fn enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
-    let enabled = *ENABLED.get_or_init(|| {
+    *ENABLED.get_or_init(|| {
         std::env::var("DSPEC_CUDA_KERNELS").is_ok_and(|v| v == "1")
-    });
-    enabled
-        && Backend::current() == Backend::Cuda
-        && matches!(dtype, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32)
+            && Backend::current() == Backend::Cuda
+    })
+}
+
+/// Whether the kernels run here and take `dtype`.
+pub fn available(dtype: Dtype) -> bool {
+    enabled() && matches!(dtype, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32)
 }
 
 /// One kernel: its name, parameter names and body (MLX writes the signature).
@@ -79,22 +84,17 @@ impl Kernel {
 }
 
 /// How one call runs: output shape and dtype (also the template type `T`), grid in
-/// threads, block size, and the integer template arguments.
+/// threads, block size, and the integer template arguments (names as C literals: a call
+/// per layer and token allocates nothing for them).
 struct Launch<'a> {
     out_shape: &'a [i32],
     dtype: Dtype,
     grid: (i32, i32, i32),
     block: i32,
-    ints: &'a [(&'a str, i32)],
+    ints: &'a [(&'a CStr, i32)],
 }
 
 fn apply(kernel: &Kernel, inputs: &[&Array], launch: Launch<'_>) -> Result<Array> {
-    let names: Vec<(CString, i32)> = launch
-        .ints
-        .iter()
-        .map(|(n, v)| (CString::new(*n).expect("no NUL"), *v))
-        .collect();
-    let t = CString::new("T").expect("no NUL");
     let stream = Stream::thread_local_or_default();
     // SAFETY: the config and the vectors are created, used and freed here; the arrays
     // they hold are reference-counted by MLX.
@@ -110,8 +110,8 @@ fn apply(kernel: &Kernel, inputs: &[&Array], launch: Launch<'_>) -> Result<Array
         let (gx, gy, gz) = launch.grid;
         status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, gx, gy, gz);
         status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, launch.block, 1, 1);
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, t.as_ptr(), dtype);
-        for (name, value) in &names {
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, c"T".as_ptr(), dtype);
+        for (name, value) in launch.ints {
             status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, name.as_ptr(), *value);
         }
         let ins = mlx_sys::mlx_vector_array_new();

@@ -126,18 +126,14 @@ pub fn fetch_real_model(name: &str) -> (PathBuf, PathBuf) {
     let _one_at_a_time = FETCHING.lock().unwrap_or_else(|e| e.into_inner());
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let run = |extra: &[&str]| -> PathBuf {
-        let out = Command::new("bash")
-            .arg(root.join("scripts/fetch-models.sh"))
-            .args(extra)
-            .arg(name)
-            .env("DSPEC", env!("CARGO_BIN_EXE_dspec"))
-            .current_dir(&root)
-            .output()
-            .expect("run fetch-models.sh");
-        assert!(
-            out.status.success(),
-            "fetch-models.sh {name} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeded(
+            Command::new("bash")
+                .arg(root.join("scripts/fetch-models.sh"))
+                .args(extra)
+                .arg(name)
+                .env("DSPEC", env!("CARGO_BIN_EXE_dspec"))
+                .current_dir(&root),
+            &format!("fetch-models.sh {name}"),
         );
         PathBuf::from(
             String::from_utf8_lossy(&out.stdout)
@@ -148,4 +144,25 @@ pub fn fetch_real_model(name: &str) -> (PathBuf, PathBuf) {
         )
     };
     (run(&["--gguf-only"]), run(&[]))
+}
+
+/// Runs this build's `dspec` with `args`, which must include `--json`; fails the test
+/// with dspec's stderr when it does not succeed, else returns the parsed output.
+pub fn dspec_json(args: &[&str]) -> serde_json::Value {
+    let out = succeeded(
+        Command::new(env!("CARGO_BIN_EXE_dspec")).args(args),
+        &format!("dspec {args:?}"),
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+/// Runs `command`, failing the test with its stderr (under `what`) unless it succeeds.
+fn succeeded(command: &mut Command, what: &str) -> std::process::Output {
+    let out = command.output().unwrap_or_else(|e| panic!("run {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
 }
