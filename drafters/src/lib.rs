@@ -5,6 +5,7 @@
 mod context;
 pub mod dflash;
 pub mod draft_model;
+pub mod draft_thread;
 pub mod dspark;
 pub mod ngram;
 

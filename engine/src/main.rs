@@ -240,6 +240,10 @@ struct DraftTuning {
     /// Cut a DSpark block where the drafter's confidence drops below this (0..1).
     #[arg(long)]
     confidence_threshold: Option<f32>,
+    /// A draft model keeps drafting on its own thread while the target verifies, so the
+    /// next round's drafts are often ready: `auto` (on for GPU backends), `on` or `off`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    draft_ahead: String,
 }
 
 /// `--max-draft`: a fixed count, or adaptive up to a bound.
@@ -294,6 +298,11 @@ impl DraftTuning {
             confidence_threshold: self.confidence_threshold,
             ngram: self.ngram,
             dtype: Some(target_dtype),
+            draft_ahead: match self.draft_ahead.as_str() {
+                "on" => Some(true),
+                "off" => Some(false),
+                _ => None,
+            },
         })
     }
 }

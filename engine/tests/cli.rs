@@ -648,6 +648,38 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     );
 }
 
+/// `--draft-ahead on` (a draft model drafting on its own thread while the target
+/// verifies; the default on GPUs only) changes the speed, never the text.
+#[test]
+fn a_draft_model_drafting_ahead_gives_the_plain_text() {
+    let model = tiny_model("{}");
+    let drafter = format!("model:{}", path_str(model.path()));
+    let run = |extra: &[&str]| {
+        generate_json(model.path(), &[&["--max-tokens", "24"][..], extra].concat())
+    };
+    let plain = run(&[]);
+    for ahead in ["on", "off"] {
+        let spec = run(&["--drafter", &drafter, "--max-draft", "3", "--draft-ahead", ahead]);
+        assert_eq!(spec["text"], plain["text"], "--draft-ahead {ahead}");
+        assert_eq!(spec["speculative"]["drafter"], "draft-model");
+    }
+    // A usage error (clap's exit code 2) that names the flag and its values.
+    let out = dspec(&[
+        "generate",
+        "--target",
+        path_str(model.path()),
+        "--prompt",
+        "x",
+        "--drafter",
+        &drafter,
+        "--draft-ahead",
+        "sometimes",
+    ]);
+    let err = stderr(&out);
+    assert!(!out.status.success());
+    assert!(err.contains("--draft-ahead") && err.contains("auto"), "{err}");
+}
+
 #[test]
 fn adapters_lists_drafter_kinds() {
     let out = dspec(&["adapters"]);

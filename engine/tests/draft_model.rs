@@ -12,21 +12,29 @@ use dspec_plugin_api::{Drafter, DrafterOptions, LoadOptions};
 mod common;
 use common::{greedy_config, load_dir as load};
 
-fn options(bits: Option<i32>) -> DrafterOptions {
+fn options(bits: Option<i32>, ahead: bool) -> DrafterOptions {
     DrafterOptions {
         bits,
         ngram: 3,
+        draft_ahead: Some(ahead),
         ..DrafterOptions::default()
     }
 }
 
-fn drafter_for(spec: &str, target: &LoadedModel, bits: Option<i32>) -> Box<dyn Drafter> {
+/// `ahead`: the draft model keeps drafting on its thread while the target verifies
+/// (on by default on GPUs only); the output must not depend on it.
+fn drafter_for(
+    spec: &str,
+    target: &LoadedModel,
+    bits: Option<i32>,
+    ahead: bool,
+) -> Box<dyn Drafter> {
     load_drafter(
         spec,
         target,
         &builtin_registry().unwrap(),
         &LoadOptions::default(),
-        &options(bits),
+        &options(bits, ahead),
     )
     .unwrap_or_else(|e| panic!("loading drafter {spec}: {e}"))
 }
@@ -69,6 +77,12 @@ fn assert_same_as_greedy(
 
 #[test]
 fn draft_models_give_exactly_the_greedy_output_on_two_families() {
+    for ahead in [false, true] {
+        draft_models_give_the_greedy_output(ahead);
+    }
+}
+
+fn draft_models_give_the_greedy_output(ahead: bool) {
     for (overrides, draft_overrides) in [
         ("{}", r#"{"num_hidden_layers": 1}"#),
         (
@@ -89,7 +103,7 @@ fn draft_models_give_exactly_the_greedy_output_on_two_families() {
         write_tiny_model(&other, draft_overrides, 5).unwrap();
         let target = load(&t);
 
-        let mut twin = drafter_for(&format!("model:{}", same.display()), &target, None);
+        let mut twin = drafter_for(&format!("model:{}", same.display()), &target, None, ahead);
         for (prompt, n) in [("hello there", 30), ("a", 7), ("the quick brown fox", 19)] {
             let out =
                 assert_same_as_greedy(&target, twin.as_mut(), prompt, &greedy_config(n, vec![]), 4);
@@ -100,7 +114,7 @@ fn draft_models_give_exactly_the_greedy_output_on_two_families() {
             assert!(out.speculative.tau > 1.0);
         }
         // A plain model directory given without `model:` also becomes a draft model.
-        let mut small = drafter_for(other.to_str().unwrap(), &target, None);
+        let mut small = drafter_for(other.to_str().unwrap(), &target, None, ahead);
         assert_eq!(small.name(), "draft-model");
         for (prompt, n) in [("hello there", 30), ("zz", 13)] {
             let out = assert_same_as_greedy(
@@ -113,7 +127,7 @@ fn draft_models_give_exactly_the_greedy_output_on_two_families() {
             assert!(out.speculative.drafted_tokens > 0);
         }
         // 8-bit drafter weights change the drafts, never the output.
-        let mut q8 = drafter_for(other.to_str().unwrap(), &target, Some(8));
+        let mut q8 = drafter_for(other.to_str().unwrap(), &target, Some(8), ahead);
         assert_same_as_greedy(
             &target,
             q8.as_mut(),
@@ -131,7 +145,6 @@ fn eos_and_max_tokens_inside_a_draft_model_block_stop_like_plain_decoding() {
     write_tiny_model(&t, "{}", 3).unwrap();
     write_tiny_model(&same, "{}", 3).unwrap();
     let target = load(&t);
-    let mut twin = drafter_for(&format!("model:{}", same.display()), &target, None);
     let ids = target.tokenizer.encode_prompt("stop here", false).unwrap();
     let truth = generate(
         target.model.as_ref(),
@@ -144,23 +157,26 @@ fn eos_and_max_tokens_inside_a_draft_model_block_stop_like_plain_decoding() {
     .tokens;
     // Every draft is accepted, so a stop at position 6 lands inside the second block.
     let eos = truth[6];
-    let out = assert_same_as_greedy(
-        &target,
-        twin.as_mut(),
-        "stop here",
-        &greedy_config(30, vec![eos]),
-        4,
-    );
-    assert_eq!(out.stats.stop_reason, StopReason::Eos);
-    for n in [1, 2, 6, 9] {
+    for ahead in [false, true] {
+        let mut twin = drafter_for(&format!("model:{}", same.display()), &target, None, ahead);
         let out = assert_same_as_greedy(
             &target,
             twin.as_mut(),
             "stop here",
-            &greedy_config(n, vec![]),
+            &greedy_config(30, vec![eos]),
             4,
         );
-        assert_eq!(out.tokens.len(), n);
+        assert_eq!(out.stats.stop_reason, StopReason::Eos);
+        for n in [1, 2, 6, 9] {
+            let out = assert_same_as_greedy(
+                &target,
+                twin.as_mut(),
+                "stop here",
+                &greedy_config(n, vec![]),
+                4,
+            );
+            assert_eq!(out.tokens.len(), n);
+        }
     }
 }
 
@@ -170,7 +186,7 @@ fn load_error(spec: &str, target: &LoadedModel) -> String {
         target,
         &builtin_registry().unwrap(),
         &LoadOptions::default(),
-        &options(None),
+        &options(None, false),
     ) {
         Ok(d) => panic!("--drafter {spec} loaded as {}", d.name()),
         Err(e) => e.to_string(),
@@ -231,7 +247,7 @@ fn drafter_arguments_that_cannot_work_get_clear_errors() {
         &target,
         &builtin_registry().unwrap(),
         &LoadOptions::default(),
-        &options(Some(3)),
+        &options(Some(3), false),
     ) {
         Ok(_) => panic!("3 bits accepted"),
         Err(e) => e.to_string(),

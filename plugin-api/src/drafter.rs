@@ -105,6 +105,11 @@ pub struct DrafterOptions {
     pub ngram: usize,
     /// Activation dtype; the engine passes the target's.
     pub dtype: Option<Dtype>,
+    /// `--draft-ahead`: a draft model keeps drafting on its own thread while the target
+    /// verifies. `None`: on for GPU backends, where decoding waits on the host and the
+    /// two threads' host work overlaps; off on the CPU, whose cores the target's
+    /// arithmetic already uses.
+    pub draft_ahead: Option<bool>,
 }
 
 impl DrafterOptions {

@@ -158,7 +158,9 @@ pub fn dspec_json(args: &[&str]) -> serde_json::Value {
 
 /// Runs `command`, failing the test with its stderr (under `what`) unless it succeeds.
 fn succeeded(command: &mut Command, what: &str) -> std::process::Output {
-    let out = command.output().unwrap_or_else(|e| panic!("run {what}: {e}"));
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("run {what}: {e}"));
     assert!(
         out.status.success(),
         "{what} failed:\n{}",
