@@ -138,7 +138,7 @@ def same_greedy(a, b, max_tokens):
     return None
 
 
-def one_pass(args, dm, ng, auto, peer, kernels=None):
+def one_pass(args, dm, ng, auto, peer, variants):
     """Table lines of one pass: decode tok/s over all prompts, tau, equality with the
     pass's dspec greedy output."""
     eos = set()
@@ -170,17 +170,20 @@ def one_pass(args, dm, ng, auto, peer, kernels=None):
             lambda r: r["speculative"]["decode_tokens_per_second"],
             lambda r: decoded(r["speculative"]), report["tau"],
             [r["first_difference"] for r in report["rows"]])
-    if kernels is not None:
-        # dspec with its own CUDA kernels (DSPEC_CUDA_KERNELS=1): greedy compared with the
-        # default greedy output, speculative with its own greedy output.
-        add("dspec", "greedy, CUDA kernels", kernels["rows"],
-            lambda r: r["plain"]["decode_tokens_per_second"], lambda r: decoded(r["plain"]),
-            None, [same_greedy(strip_eos(r["tokens"], eos), ref, args.max_tokens)
-                   for r, ref in zip(kernels["rows"], reference)])
-        add("dspec", f"speculative k={args.max_draft}, CUDA kernels",
-            kernels["rows"], lambda r: r["speculative"]["decode_tokens_per_second"],
-            lambda r: decoded(r["speculative"]), kernels["tau"],
-            [r["first_difference"] for r in kernels["rows"]])
+    for label, variant in variants:
+        # The same dspec runs with other settings: greedy against the default greedy
+        # output when the setting can change plain decoding, speculative against its
+        # own greedy output.
+        rows = variant["report"]["rows"]
+        if variant["greedy"]:
+            add("dspec", f"greedy, {label}", rows,
+                lambda r: r["plain"]["decode_tokens_per_second"], lambda r: decoded(r["plain"]),
+                None, [same_greedy(strip_eos(r["tokens"], eos), ref, args.max_tokens)
+                       for r, ref in zip(rows, reference)])
+        add("dspec", f"speculative k={args.max_draft}, {label}", rows,
+            lambda r: r["speculative"]["decode_tokens_per_second"],
+            lambda r: decoded(r["speculative"]), variant["report"]["tau"],
+            [r["first_difference"] for r in rows])
     if peer is not None:
         def diffs(key):
             return [same_greedy(r[key], ref, args.max_tokens)
@@ -241,9 +244,24 @@ def main():
     ap.add_argument("--kernels-too", action="store_true",
                     help="also run dspec greedy and draft-model speculative decoding with "
                          "its own CUDA kernels (DSPEC_CUDA_KERNELS=1)")
+    ap.add_argument("--ahead-off-too", action="store_true",
+                    help="also run draft-model speculative decoding with --draft-ahead off "
+                         "(the draft model on the engine's thread, drafting only when asked)")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also run draft-model speculative decoding with --draft-ahead eager "
+                         "(a round whose drafts came true takes those ready, k at most)")
     ap.add_argument("--dspec-arg", action="append", default=[],
                     help="extra argument for both dspec runs (repeatable)")
     args = ap.parse_args()
+
+    # Extra dspec lines: (label, extra arguments, extra environment, greedy line too).
+    variant_specs = []
+    if args.kernels_too:
+        variant_specs.append(("CUDA kernels", [], {"DSPEC_CUDA_KERNELS": "1"}, True))
+    if args.ahead_off_too:
+        variant_specs.append(("draft-ahead off", ["--draft-ahead", "off"], {}, False))
+    if args.eager_too:
+        variant_specs.append(("draft-ahead eager", ["--draft-ahead", "eager"], {}, False))
 
     def run_dspec():
         dm = run_dspec_bench(args.dspec, args.target, f"model:{args.draft}", args.max_draft,
@@ -253,10 +271,11 @@ def main():
         auto = None if args.no_auto else run_dspec_bench(
             args.dspec, args.target, f"model:{args.draft}", "auto", args.max_tokens,
             args.dspec_arg)
-        kernels = None if not args.kernels_too else run_dspec_bench(
+        variants = [(label, {"greedy": greedy, "report": run_dspec_bench(
             args.dspec, args.target, f"model:{args.draft}", args.max_draft, args.max_tokens,
-            args.dspec_arg, env={**os.environ, "DSPEC_CUDA_KERNELS": "1"})
-        return dm, ng, auto, kernels
+            args.dspec_arg + extra, env={**os.environ, **env})})
+            for label, extra, env, greedy in variant_specs]
+        return dm, ng, auto, variants
 
     # Passes alternate which engine goes first, so neither gains from the machine
     # warming up (GPU clocks, page cache); each line reports its median over passes.
@@ -265,15 +284,15 @@ def main():
     for p in range(args.passes):
         dspec_first = p % 2 == 0 or peer_engine is None
         if dspec_first:
-            dm, ng, auto, kernels = run_dspec()
+            dm, ng, auto, variants = run_dspec()
         if not args.skip_mlx_lm and peer_engine is None:
             prompts0 = [r["prompt_ids"] for r in dm["rows"]]
             peer_engine = MlxLm(args.target, args.draft, prompts0[0], args.max_tokens,
                                 args.max_draft)
         peer = peer_engine.run([r["prompt_ids"] for r in dm["rows"]]) if peer_engine else None
         if not dspec_first:
-            dm, ng, auto, kernels = run_dspec()
-        passes.append(one_pass(args, dm, ng, auto, peer, kernels))
+            dm, ng, auto, variants = run_dspec()
+        passes.append(one_pass(args, dm, ng, auto, peer, variants))
         if args.json_out:
             # Written after every pass too, so a run cut short still leaves its passes.
             with open(args.json_out, "w") as f:

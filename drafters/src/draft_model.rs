@@ -8,8 +8,8 @@ use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{
-    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, Picked, TargetModel,
-    TokenPicker,
+    inventory, Draft, DraftAhead, Drafter, DrafterLoadRequest, DrafterRegistration, Picked,
+    TargetModel, TokenPicker,
 };
 
 use crate::draft_thread::{warm_up, DraftThread};
@@ -26,8 +26,13 @@ pub struct DraftModelDrafter {
 }
 
 impl DraftModelDrafter {
-    /// `ahead`: keep drafting while the target verifies (see [`crate::draft_thread`]).
-    pub fn new(model: Box<dyn TargetModel>, target_vocab: usize, ahead: bool) -> Result<Self> {
+    /// `ahead`: whether to keep drafting while the target verifies (see
+    /// [`crate::draft_thread`]).
+    pub fn new(
+        model: Box<dyn TargetModel>,
+        target_vocab: usize,
+        ahead: DraftAhead,
+    ) -> Result<Self> {
         warm_up(model.as_ref())?;
         Ok(Self {
             thread: DraftThread::spawn(model, target_vocab, ahead)?,
@@ -114,7 +119,10 @@ fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
     let ahead = request
         .options
         .draft_ahead
-        .unwrap_or(Backend::current() != Backend::Cpu);
+        .unwrap_or(match Backend::current() {
+            Backend::Cpu => DraftAhead::Off,
+            Backend::Cuda | Backend::Metal => DraftAhead::On,
+        });
     Ok(Box::new(DraftModelDrafter::new(
         model,
         request.target.vocab_size,

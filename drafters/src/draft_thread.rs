@@ -27,7 +27,7 @@ use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::{ModelCache, TargetModel};
+use dspec_plugin_api::{DraftAhead, ModelCache, TargetModel};
 
 /// Longest prompt slice fed to the draft model in one forward while starting.
 const PREFILL_CHUNK: usize = 512;
@@ -36,6 +36,16 @@ const PREFILL_CHUNK: usize = 512;
 /// after a rejected draft, or that plus one). On a GPU a one-token step is the cheap
 /// kind: an H100 trace had a 2-token forward cost 4.5 ms more than two steps.
 const ONE_BY_ONE: usize = 2;
+
+/// Drafting ahead pays only when it often comes true: on an H100 (random weights of the
+/// Qwen2.5-Coder 1.5B/0.5B shapes) a round whose drafts were ready saved 6.5 ms, and one
+/// that had to start over lost 2.8 ms (the step in flight, and the drafted-ahead work
+/// queued on the GPU). A round comes true only when it kept every draft, so drafting
+/// ahead pauses while fewer than this share of recent rounds kept every draft.
+const KEPT_ALL_TO_LOOK_AHEAD: f64 = 0.4;
+
+/// Weight of the newest round in that share (an exponential moving average).
+const KEPT_ALL_WEIGHT: f64 = 0.2;
 
 /// What the engine's thread asks of the draft thread. Every request gets one reply.
 enum Request {
@@ -91,8 +101,8 @@ pub fn warm_up(model: &dyn TargetModel) -> Result<()> {
 
 impl DraftThread {
     /// Moves `model` (already through [`warm_up`]) onto its own thread. `vocab`: logits are
-    /// cut to this many entries. `ahead`: draft past what was asked while idle.
-    pub fn spawn(model: Box<dyn TargetModel>, vocab: usize, ahead: bool) -> Result<Self> {
+    /// cut to this many entries. `ahead`: whether to draft past what was asked while idle.
+    pub fn spawn(model: Box<dyn TargetModel>, vocab: usize, ahead: DraftAhead) -> Result<Self> {
         let (requests, inbox) = channel();
         let (outbox, replies) = channel();
         let vocab = vocab.min(model.info().vocab_size) as i32;
@@ -231,13 +241,16 @@ struct Chain {
     committed: Option<usize>,
     /// Draft ahead, while idle, until the sequence is this long.
     ahead_until: usize,
-    ahead: bool,
+    ahead: DraftAhead,
+    /// The last round's drafts, and the recent share of rounds that kept all of them.
+    last_drafts: Vec<u32>,
+    kept_all: f64,
     /// A failure while drafting ahead, reported with the next request.
     failed: Option<ModelError>,
 }
 
 impl Chain {
-    fn new(model: Box<dyn TargetModel>, vocab: i32, ahead: bool) -> Self {
+    fn new(model: Box<dyn TargetModel>, vocab: i32, ahead: DraftAhead) -> Self {
         let cache = model.new_cache();
         Self {
             model,
@@ -250,6 +263,8 @@ impl Chain {
             committed: None,
             ahead_until: 0,
             ahead,
+            last_drafts: Vec::new(),
+            kept_all: 1.0,
             failed: None,
         }
     }
@@ -287,10 +302,15 @@ impl Chain {
         match request {
             Request::Begin(prompt) => self.begin(prompt).map(|()| Reply::Begun),
             Request::Draft { committed, k } => {
+                self.observe_round(&committed);
                 let want = self.committed_with(&committed)?;
                 let ready = match self.follow(&want)? {
                     true => (self.len() - want.len()).min(k),
                     false => 0,
+                };
+                let k = match self.ahead {
+                    DraftAhead::Eager if ready > 0 => ready,
+                    _ => k,
                 };
                 while self.len() < want.len() + k {
                     self.extend()?;
@@ -299,9 +319,10 @@ impl Chain {
                 let drafts = self.host[want.len()..want.len() + k].to_vec();
                 // Ahead: this round's drafts, the guess of the target's next token, and
                 // the next round's drafts.
-                if self.ahead {
+                if self.ahead != DraftAhead::Off && self.kept_all >= KEPT_ALL_TO_LOOK_AHEAD {
                     self.ahead_until = want.len() + 2 * k + 1;
                 }
+                self.last_drafts = drafts.clone();
                 Ok(Reply::Tokens(Drafted {
                     tokens: drafts,
                     ready,
@@ -324,8 +345,21 @@ impl Chain {
         }
     }
 
+    /// Updates the share of rounds that kept every draft: `committed` holds the last
+    /// round's kept drafts and the target's token.
+    fn observe_round(&mut self, committed: &[u32]) {
+        if self.last_drafts.is_empty() {
+            return;
+        }
+        let n = self.last_drafts.len();
+        let kept_all = committed.len() == n + 1 && committed[..n] == self.last_drafts[..];
+        let now = if kept_all { 1.0 } else { 0.0 };
+        self.kept_all += KEPT_ALL_WEIGHT * (now - self.kept_all);
+    }
+
     fn begin(&mut self, prompt: Vec<u32>) -> Result<()> {
         self.committed = None;
+        self.last_drafts.clear();
         self.cache = self.model.new_cache();
         self.lazy.clear();
         for chunk in prompt.chunks(PREFILL_CHUNK) {
@@ -464,7 +498,7 @@ mod tests {
 
     const PROMPT: [u32; 5] = [3, 14, 15, 92, 65];
 
-    fn spawn(dir: &std::path::Path, ahead: bool) -> DraftThread {
+    fn spawn(dir: &std::path::Path, ahead: DraftAhead) -> DraftThread {
         let model = load_dir(dir, &LoadOptions::default()).expect("load");
         warm_up(model.as_ref()).expect("warm up");
         let mut thread = DraftThread::spawn(model, 97, ahead).expect("spawn");
@@ -488,11 +522,14 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
         // One long greedy chain after the prompt and 35: c1..c9.
-        let chain = spawn(dir.path(), false)
+        let chain = spawn(dir.path(), DraftAhead::Off)
             .draft(vec![35], 9)
             .expect("chain")
             .tokens;
-        let (mut ahead, mut plain) = (spawn(dir.path(), true), spawn(dir.path(), false));
+        let (mut ahead, mut plain) = (
+            spawn(dir.path(), DraftAhead::On),
+            spawn(dir.path(), DraftAhead::Off),
+        );
         let round =
             |t: &mut DraftThread, committed: &[u32]| t.draft(committed.to_vec(), 4).expect("draft");
 
@@ -521,17 +558,76 @@ mod tests {
         assert_eq!(a.ready, 0);
     }
 
+    /// Eager: a round that came true takes the drafts that were ready, not `k`.
+    #[test]
+    fn eager_rounds_take_the_drafts_ready() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
+        let chain = spawn(dir.path(), DraftAhead::Off)
+            .draft(vec![35], 9)
+            .expect("chain")
+            .tokens;
+        let (mut eager, mut on) = (
+            spawn(dir.path(), DraftAhead::Eager),
+            spawn(dir.path(), DraftAhead::On),
+        );
+        for t in [&mut eager, &mut on] {
+            // Two drafts: ahead goes as far as the guess and two more.
+            assert_eq!(t.draft(vec![35], 2).expect("draft").tokens, chain[..2]);
+            t.settle().expect("settle");
+        }
+        let came_true = chain[..3].to_vec();
+        let e = eager.draft(came_true.clone(), 4).expect("draft");
+        assert_eq!((e.tokens.as_slice(), e.ready), (&chain[3..5], 2));
+        let o = on.draft(came_true, 4).expect("draft");
+        assert_eq!((o.tokens.as_slice(), o.ready), (&chain[3..7], 2));
+        // A round that starts over drafts `k` either way.
+        let e = eager.draft(vec![(chain[5] + 1) % 97], 4).expect("draft");
+        assert_eq!((e.tokens.len(), e.ready), (4, 0));
+    }
+
+    /// After rounds that rejected drafts, the thread stops drafting ahead: a round that
+    /// would have come true finds nothing ready.
+    #[test]
+    fn drafting_ahead_pauses_while_rounds_reject_drafts() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, 5, None).expect("fixture");
+        // `mirror` sees the same committed sequence and drafts one more: the guess.
+        let (mut gated, mut mirror) = (
+            spawn(dir.path(), DraftAhead::On),
+            spawn(dir.path(), DraftAhead::Off),
+        );
+        let mut committed = vec![35];
+        let mut drafts = Vec::new();
+        for _ in 0..8 {
+            drafts = gated.draft(committed.clone(), 4).expect("draft").tokens;
+            let with_guess = mirror.draft(committed.clone(), 5).expect("draft").tokens;
+            assert_eq!(drafts, with_guess[..4]);
+            // The target rejects the first draft.
+            committed = vec![(drafts[0] + 1) % 97];
+        }
+        gated.settle().expect("settle");
+        let guess = mirror.draft(committed.clone(), 5).expect("draft").tokens;
+        drafts = gated.draft(committed, 4).expect("draft").tokens;
+        assert_eq!(drafts, guess[..4]);
+        gated.settle().expect("settle");
+        let mut came_true = drafts.clone();
+        came_true.push(guess[4]);
+        let next = gated.draft(came_true, 4).expect("draft");
+        assert_eq!(next.ready, 0, "drafted ahead after eight rejecting rounds");
+    }
+
     /// Sampled drafting reads logits after the committed sequence plus the tokens picked
     /// so far: their argmax is the greedy chain.
     #[test]
     fn logits_follow_the_committed_sequence_and_the_picked_tokens() {
         let dir = tempfile::tempdir().expect("temp dir");
         write_random_model(dir.path(), TINY_LLAMA, 6, None).expect("fixture");
-        let chain = spawn(dir.path(), false)
+        let chain = spawn(dir.path(), DraftAhead::Off)
             .draft(vec![35], 3)
             .expect("chain")
             .tokens;
-        let mut t = spawn(dir.path(), true);
+        let mut t = spawn(dir.path(), DraftAhead::On);
         let first = t.logits(vec![35], vec![]).expect("logits");
         assert_eq!(first.len(), 97);
         assert_eq!(argmax(&first), chain[0]);
@@ -549,7 +645,7 @@ mod tests {
         write_random_model(dir.path(), TINY_LLAMA, 2, None).expect("fixture");
         let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
         warm_up(model.as_ref()).expect("warm up");
-        let mut t = DraftThread::spawn(model, 97, true).expect("spawn");
+        let mut t = DraftThread::spawn(model, 97, DraftAhead::On).expect("spawn");
         let err = t.draft(vec![1], 2).expect_err("no prompt yet");
         assert!(err.to_string().contains("prompt"), "{err}");
         t.begin(&PROMPT).expect("begin");

@@ -20,7 +20,7 @@ use dspec_engine::score_batch::{read_requests, render_text, run_requests, ScoreR
 use dspec_engine::scoring::{Measure, Scorer, ScorerAdapter, Windowing};
 use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tokenizer::TextTokenizer;
-use dspec_plugin_api::{AdapterRegistry, DrafterOptions, LoadOptions, Quantization};
+use dspec_plugin_api::{AdapterRegistry, DraftAhead, DrafterOptions, LoadOptions, Quantization};
 
 #[derive(Parser)]
 #[command(
@@ -241,8 +241,10 @@ struct DraftTuning {
     #[arg(long)]
     confidence_threshold: Option<f32>,
     /// A draft model keeps drafting on its own thread while the target verifies, so the
-    /// next round's drafts are often ready: `auto` (on for GPU backends), `on` or `off`.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    /// next round's drafts are often ready: `auto` (`on` for GPU backends, else `off`),
+    /// `on`, `off`, or `eager` (a round whose drafts came true takes those ready then,
+    /// at least one, instead of waiting for --max-draft of them).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off", "eager"])]
     draft_ahead: String,
 }
 
@@ -299,8 +301,9 @@ impl DraftTuning {
             ngram: self.ngram,
             dtype: Some(target_dtype),
             draft_ahead: match self.draft_ahead.as_str() {
-                "on" => Some(true),
-                "off" => Some(false),
+                "on" => Some(DraftAhead::On),
+                "off" => Some(DraftAhead::Off),
+                "eager" => Some(DraftAhead::Eager),
                 _ => None,
             },
         })

@@ -658,8 +658,15 @@ fn a_draft_model_drafting_ahead_gives_the_plain_text() {
         generate_json(model.path(), &[&["--max-tokens", "24"][..], extra].concat())
     };
     let plain = run(&[]);
-    for ahead in ["on", "off"] {
-        let spec = run(&["--drafter", &drafter, "--max-draft", "3", "--draft-ahead", ahead]);
+    for ahead in ["on", "off", "eager"] {
+        let spec = run(&[
+            "--drafter",
+            &drafter,
+            "--max-draft",
+            "3",
+            "--draft-ahead",
+            ahead,
+        ]);
         assert_eq!(spec["text"], plain["text"], "--draft-ahead {ahead}");
         assert_eq!(spec["speculative"]["drafter"], "draft-model");
     }
@@ -677,7 +684,10 @@ fn a_draft_model_drafting_ahead_gives_the_plain_text() {
     ]);
     let err = stderr(&out);
     assert!(!out.status.success());
-    assert!(err.contains("--draft-ahead") && err.contains("auto"), "{err}");
+    assert!(
+        err.contains("--draft-ahead") && err.contains("auto"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -7,12 +7,12 @@ use dspec_engine::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::write_tiny_model;
-use dspec_plugin_api::{Drafter, DrafterOptions, LoadOptions};
+use dspec_plugin_api::{DraftAhead, Drafter, DrafterOptions, LoadOptions};
 
 mod common;
 use common::{greedy_config, load_dir as load};
 
-fn options(bits: Option<i32>, ahead: bool) -> DrafterOptions {
+fn options(bits: Option<i32>, ahead: DraftAhead) -> DrafterOptions {
     DrafterOptions {
         bits,
         ngram: 3,
@@ -27,7 +27,7 @@ fn drafter_for(
     spec: &str,
     target: &LoadedModel,
     bits: Option<i32>,
-    ahead: bool,
+    ahead: DraftAhead,
 ) -> Box<dyn Drafter> {
     load_drafter(
         spec,
@@ -77,12 +77,12 @@ fn assert_same_as_greedy(
 
 #[test]
 fn draft_models_give_exactly_the_greedy_output_on_two_families() {
-    for ahead in [false, true] {
+    for ahead in [DraftAhead::Off, DraftAhead::On, DraftAhead::Eager] {
         draft_models_give_the_greedy_output(ahead);
     }
 }
 
-fn draft_models_give_the_greedy_output(ahead: bool) {
+fn draft_models_give_the_greedy_output(ahead: DraftAhead) {
     for (overrides, draft_overrides) in [
         ("{}", r#"{"num_hidden_layers": 1}"#),
         (
@@ -157,7 +157,7 @@ fn eos_and_max_tokens_inside_a_draft_model_block_stop_like_plain_decoding() {
     .tokens;
     // Every draft is accepted, so a stop at position 6 lands inside the second block.
     let eos = truth[6];
-    for ahead in [false, true] {
+    for ahead in [DraftAhead::Off, DraftAhead::On, DraftAhead::Eager] {
         let mut twin = drafter_for(&format!("model:{}", same.display()), &target, None, ahead);
         let out = assert_same_as_greedy(
             &target,
@@ -186,7 +186,7 @@ fn load_error(spec: &str, target: &LoadedModel) -> String {
         target,
         &builtin_registry().unwrap(),
         &LoadOptions::default(),
-        &options(None, false),
+        &options(None, DraftAhead::Off),
     ) {
         Ok(d) => panic!("--drafter {spec} loaded as {}", d.name()),
         Err(e) => e.to_string(),
@@ -247,7 +247,7 @@ fn drafter_arguments_that_cannot_work_get_clear_errors() {
         &target,
         &builtin_registry().unwrap(),
         &LoadOptions::default(),
-        &options(Some(3), false),
+        &options(Some(3), DraftAhead::Off),
     ) {
         Ok(_) => panic!("3 bits accepted"),
         Err(e) => e.to_string(),

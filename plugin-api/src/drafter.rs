@@ -105,11 +105,23 @@ pub struct DrafterOptions {
     pub ngram: usize,
     /// Activation dtype; the engine passes the target's.
     pub dtype: Option<Dtype>,
-    /// `--draft-ahead`: a draft model keeps drafting on its own thread while the target
-    /// verifies. `None`: on for GPU backends, where decoding waits on the host and the
-    /// two threads' host work overlaps; off on the CPU, whose cores the target's
-    /// arithmetic already uses.
-    pub draft_ahead: Option<bool>,
+    /// `--draft-ahead`: whether a draft model keeps drafting on its own thread while
+    /// the target verifies. `None`: [`DraftAhead::On`] for GPU backends, where decoding
+    /// waits on the host and the two threads' host work overlaps; off on the CPU, whose
+    /// cores the target's arithmetic already uses.
+    pub draft_ahead: Option<DraftAhead>,
+}
+
+/// How far a draft model runs ahead of the target (`--draft-ahead`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftAhead {
+    /// Draft only when a round asks.
+    Off,
+    /// Keep drafting while the target verifies; a round still takes `k` drafts.
+    On,
+    /// As `On`, but a round whose drafts were drafted ahead takes those ready when it
+    /// asks (at least one) instead of waiting for `k`.
+    Eager,
 }
 
 impl DrafterOptions {

@@ -18,6 +18,7 @@ pub mod weights;
 
 pub use cache::{ExternalCache, KvCache, ModelCache};
 pub use drafter::{
+    DraftAhead,
     detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Draft, Drafter, DrafterLoadRequest,
     DrafterOptions, DrafterRegistration, Picked, TokenPicker,
 };
