@@ -39,7 +39,9 @@ pub struct SpeculativeStats {
     pub tau: f64,
     /// `acceptance_histogram[a]`: rounds in which exactly `a` drafts were accepted.
     pub acceptance_histogram: Vec<usize>,
-    /// Share of decode time spent inside the drafter.
+    /// Share of decode time the engine spent waiting on the drafter (a draft model
+    /// drafting ahead on its own thread works while the target verifies: that part is
+    /// not counted).
     pub draft_time_share: f64,
 }
 
