@@ -598,9 +598,8 @@ mod tests {
             spawn(dir.path(), DraftAhead::Off),
         );
         let mut committed = vec![35];
-        let mut drafts = Vec::new();
         for _ in 0..8 {
-            drafts = gated.draft(committed.clone(), 4).expect("draft").tokens;
+            let drafts = gated.draft(committed.clone(), 4).expect("draft").tokens;
             let with_guess = mirror.draft(committed.clone(), 5).expect("draft").tokens;
             assert_eq!(drafts, with_guess[..4]);
             // The target rejects the first draft.
@@ -608,7 +607,7 @@ mod tests {
         }
         gated.settle().expect("settle");
         let guess = mirror.draft(committed.clone(), 5).expect("draft").tokens;
-        drafts = gated.draft(committed, 4).expect("draft").tokens;
+        let drafts = gated.draft(committed, 4).expect("draft").tokens;
         assert_eq!(drafts, guess[..4]);
         gated.settle().expect("settle");
         let mut came_true = drafts.clone();
