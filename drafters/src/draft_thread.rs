@@ -308,19 +308,19 @@ impl Chain {
                     true => (self.len() - want.len()).min(k),
                     false => 0,
                 };
-                let k = match self.ahead {
+                let taken = match self.ahead {
                     DraftAhead::Eager if ready > 0 => ready,
                     _ => k,
                 };
-                while self.len() < want.len() + k {
+                while self.len() < want.len() + taken {
                     self.extend()?;
                 }
                 self.resolve()?;
-                let drafts = self.host[want.len()..want.len() + k].to_vec();
+                let drafts = self.host[want.len()..want.len() + taken].to_vec();
                 // Ahead: this round's drafts, the guess of the target's next token, and
-                // the next round's drafts.
+                // `k` drafts for the next round.
                 if self.ahead != DraftAhead::Off && self.kept_all >= KEPT_ALL_TO_LOOK_AHEAD {
-                    self.ahead_until = want.len() + 2 * k + 1;
+                    self.ahead_until = want.len() + taken + 1 + k;
                 }
                 self.last_drafts = drafts.clone();
                 Ok(Reply::Tokens(Drafted {
