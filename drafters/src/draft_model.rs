@@ -12,7 +12,7 @@ use dspec_plugin_api::{
     TargetModel, TokenPicker,
 };
 
-use crate::draft_thread::{warm_up, DraftThread};
+use crate::draft_thread::DraftThread;
 use dspec_plugin_api::backend::Backend;
 
 pub struct DraftModelDrafter {
@@ -33,7 +33,6 @@ impl DraftModelDrafter {
         target_vocab: usize,
         ahead: DraftAhead,
     ) -> Result<Self> {
-        warm_up(model.as_ref())?;
         Ok(Self {
             thread: DraftThread::spawn(model, target_vocab, ahead)?,
             unsent: Vec::new(),

@@ -17,7 +17,7 @@
 //! Everything MLX of the draft model lives on this thread: MLX streams belong to the
 //! thread that made them, and an unevaluated array from another thread cannot be
 //! evaluated here. The model is loaded on the caller's thread and evaluated once through
-//! a whole forward ([`warm_up`]) before it moves.
+//! a whole forward ([`DraftThread::spawn`] does it) before it moves.
 
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::thread::JoinHandle;
@@ -34,14 +34,19 @@ const PREFILL_CHUNK: usize = 512;
 
 /// Most tokens fed one step each rather than in one forward (the target's correction
 /// after a rejected draft, or that plus one). On a GPU a one-token step is the cheap
-/// kind: an H100 trace had a 2-token forward cost 4.5 ms more than two steps.
+/// kind: an H100 trace had rounds that began with a 2-token forward spend 4.5 ms more
+/// on drafting than the 7.4 ms of rounds of four one-token steps.
 const ONE_BY_ONE: usize = 2;
 
-/// Drafting ahead pays only when it often comes true: on an H100 (random weights of the
-/// Qwen2.5-Coder 1.5B/0.5B shapes) a round whose drafts were ready saved 6.5 ms, and one
-/// that had to start over lost 2.8 ms (the step in flight, and the drafted-ahead work
-/// queued on the GPU). A round comes true only when it kept every draft, so drafting
-/// ahead pauses while fewer than this share of recent rounds kept every draft.
+/// Drafting ahead pays only when it often comes true. On an H100 (random weights of the
+/// Qwen2.5-Coder 1.5B/0.5B shapes; per-round times from the median decode tok/s and τ)
+/// rounds took about 8 ms less when every one came true (a 1.5B drafting for itself:
+/// 23.1 against 30.9 ms) and about 3 ms more when none did (a 0.5B whose drafts were
+/// all rejected: 20.2 against 17.0 ms: the step in flight, and the drafted-ahead work
+/// queued on the GPU). That breaks even near 3 rounds in 10 coming true; a round comes
+/// true only when it kept every draft (and the guess was right), so drafting ahead
+/// pauses while fewer than this share of recent rounds kept every draft (a margin
+/// chosen, not measured).
 const KEPT_ALL_TO_LOOK_AHEAD: f64 = 0.4;
 
 /// Weight of the newest round in that share (an exponential moving average).
@@ -90,9 +95,9 @@ pub struct DraftThread {
 }
 
 /// Evaluates a forward of `model` on a throwaway cache, so that every array the model
-/// derived while loading (fused projections, casts, quantized weights) is computed here
-/// and the model can move to another thread.
-pub fn warm_up(model: &dyn TargetModel) -> Result<()> {
+/// derived while loading (fused projections, casts, quantized weights) is computed on
+/// the caller's thread and the model can move to another.
+fn warm_up(model: &dyn TargetModel) -> Result<()> {
     let mut cache = model.new_cache();
     let out = model.forward(&Array::from_slice(&[0u32], &[1, 1]), &mut cache, &[])?;
     out.logits.eval()?;
@@ -100,9 +105,10 @@ pub fn warm_up(model: &dyn TargetModel) -> Result<()> {
 }
 
 impl DraftThread {
-    /// Moves `model` (already through [`warm_up`]) onto its own thread. `vocab`: logits are
-    /// cut to this many entries. `ahead`: whether to draft past what was asked while idle.
+    /// Moves `model`, loaded on this thread, onto its own. `vocab`: logits are cut to
+    /// this many entries. `ahead`: whether to draft past what was asked while idle.
     pub fn spawn(model: Box<dyn TargetModel>, vocab: usize, ahead: DraftAhead) -> Result<Self> {
+        warm_up(model.as_ref())?;
         let (requests, inbox) = channel();
         let (outbox, replies) = channel();
         let vocab = vocab.min(model.info().vocab_size) as i32;
@@ -284,11 +290,21 @@ impl Chain {
     }
 
     fn answer(&mut self, request: Request) -> Result<Reply> {
-        let reply = match (self.failed.take(), request) {
+        let reply = match (request, self.failed.take()) {
             // A new sequence needs nothing from the old one.
-            (_, Request::Begin(prompt)) => self.begin(prompt).map(|()| Reply::Begun),
-            (Some(e), _) => Err(e),
-            (None, request) => self.try_answer(request),
+            (Request::Begin(prompt), _) => self.begin(prompt).map(|()| Reply::Begun),
+            (_, Some(e)) => Err(e),
+            (Request::Draft { committed, k }, None) => self.draft(&committed, k).map(Reply::Tokens),
+            (Request::Logits { committed, extra }, None) => {
+                self.logits(&committed, &extra).map(Reply::Logits)
+            }
+            #[cfg(test)]
+            (Request::Settle, None) => {
+                while self.wants_more() {
+                    self.extend()?;
+                }
+                Ok(Reply::Settled)
+            }
         };
         if reply.is_err() {
             // The cache may be half-updated: nothing more until the next `begin`.
@@ -298,51 +314,41 @@ impl Chain {
         reply
     }
 
-    fn try_answer(&mut self, request: Request) -> Result<Reply> {
-        match request {
-            Request::Begin(prompt) => self.begin(prompt).map(|()| Reply::Begun),
-            Request::Draft { committed, k } => {
-                self.observe_round(&committed);
-                let want = self.committed_with(&committed)?;
-                let ready = match self.follow(&want)? {
-                    true => (self.len() - want.len()).min(k),
-                    false => 0,
-                };
-                let taken = match self.ahead {
-                    DraftAhead::Eager if ready > 0 => ready,
-                    _ => k,
-                };
-                while self.len() < want.len() + taken {
-                    self.extend()?;
-                }
-                self.resolve()?;
-                let drafts = self.host[want.len()..want.len() + taken].to_vec();
-                // Ahead: this round's drafts, the guess of the target's next token, and
-                // `k` drafts for the next round.
-                if self.ahead != DraftAhead::Off && self.kept_all >= KEPT_ALL_TO_LOOK_AHEAD {
-                    self.ahead_until = want.len() + taken + 1 + k;
-                }
-                self.last_drafts = drafts.clone();
-                Ok(Reply::Tokens(Drafted {
-                    tokens: drafts,
-                    ready,
-                }))
-            }
-            Request::Logits { committed, extra } => {
-                let mut want = self.committed_with(&committed)?;
-                want.extend_from_slice(&extra);
-                let logits = self.restart_at(&want)?.as_dtype(Dtype::Float32)?;
-                logits.eval()?;
-                Ok(Reply::Logits(logits.as_slice::<f32>().to_vec()))
-            }
-            #[cfg(test)]
-            Request::Settle => {
-                while self.wants_more() {
-                    self.extend()?;
-                }
-                Ok(Reply::Settled)
-            }
+    /// The model's `k` greedy tokens after the committed sequence grown by `committed`
+    /// (fewer when eager and some were ready), then drafting ahead is armed.
+    fn draft(&mut self, committed: &[u32], k: usize) -> Result<Drafted> {
+        self.observe_round(committed);
+        let want = self.committed_with(committed)?;
+        let ready = match self.follow(&want)? {
+            true => (self.len() - want.len()).min(k),
+            false => 0,
+        };
+        let taken = match self.ahead {
+            DraftAhead::Eager if ready > 0 => ready,
+            _ => k,
+        };
+        while self.len() < want.len() + taken {
+            self.extend()?;
         }
+        self.resolve()?;
+        let tokens = self.host[want.len()..want.len() + taken].to_vec();
+        // Ahead: this round's drafts, the guess of the target's next token, and `k`
+        // drafts for the next round.
+        if self.ahead != DraftAhead::Off && self.kept_all >= KEPT_ALL_TO_LOOK_AHEAD {
+            self.ahead_until = want.len() + taken + 1 + k;
+        }
+        self.last_drafts = tokens.clone();
+        Ok(Drafted { tokens, ready })
+    }
+
+    /// The model's logits after the committed sequence grown by `committed`, followed
+    /// by `extra`, on the host.
+    fn logits(&mut self, committed: &[u32], extra: &[u32]) -> Result<Vec<f32>> {
+        let mut want = self.committed_with(committed)?;
+        want.extend_from_slice(extra);
+        let logits = self.restart_at(&want)?.as_dtype(Dtype::Float32)?;
+        logits.eval()?;
+        Ok(logits.as_slice::<f32>().to_vec())
     }
 
     /// Updates the share of rounds that kept every draft: `committed` holds the last
@@ -498,12 +504,31 @@ mod tests {
 
     const PROMPT: [u32; 5] = [3, 14, 15, 92, 65];
 
-    fn spawn(dir: &std::path::Path, ahead: DraftAhead) -> DraftThread {
-        let model = load_dir(dir, &LoadOptions::default()).expect("load");
-        warm_up(model.as_ref()).expect("warm up");
-        let mut thread = DraftThread::spawn(model, 97, ahead).expect("spawn");
+    /// A tiny random llama checkpoint (vocabulary 97).
+    fn model_dir(seed: u64) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, seed, None).expect("fixture");
+        dir
+    }
+
+    fn spawn_unstarted(dir: &tempfile::TempDir, ahead: DraftAhead) -> DraftThread {
+        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        DraftThread::spawn(model, 97, ahead).expect("spawn")
+    }
+
+    /// A thread that has read [`PROMPT`].
+    fn spawn(dir: &tempfile::TempDir, ahead: DraftAhead) -> DraftThread {
+        let mut thread = spawn_unstarted(dir, ahead);
         thread.begin(&PROMPT).expect("begin");
         thread
+    }
+
+    /// The model's `k` greedy tokens after the prompt and 35, from a thread of its own.
+    fn greedy_chain(dir: &tempfile::TempDir, k: usize) -> Vec<u32> {
+        spawn(dir, DraftAhead::Off)
+            .draft(vec![35], k)
+            .expect("chain")
+            .tokens
     }
 
     fn argmax(logits: &[f32]) -> u32 {
@@ -519,17 +544,10 @@ mod tests {
     /// draft and the target's token is the model's guess.
     #[test]
     fn drafting_ahead_comes_true_after_a_kept_round_and_never_changes_drafts() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
+        let dir = model_dir(4);
         // One long greedy chain after the prompt and 35: c1..c9.
-        let chain = spawn(dir.path(), DraftAhead::Off)
-            .draft(vec![35], 9)
-            .expect("chain")
-            .tokens;
-        let (mut ahead, mut plain) = (
-            spawn(dir.path(), DraftAhead::On),
-            spawn(dir.path(), DraftAhead::Off),
-        );
+        let chain = greedy_chain(&dir, 9);
+        let (mut ahead, mut plain) = (spawn(&dir, DraftAhead::On), spawn(&dir, DraftAhead::Off));
         let round =
             |t: &mut DraftThread, committed: &[u32]| t.draft(committed.to_vec(), 4).expect("draft");
 
@@ -561,16 +579,9 @@ mod tests {
     /// Eager: a round that came true takes the drafts that were ready, not `k`.
     #[test]
     fn eager_rounds_take_the_drafts_ready() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
-        let chain = spawn(dir.path(), DraftAhead::Off)
-            .draft(vec![35], 9)
-            .expect("chain")
-            .tokens;
-        let (mut eager, mut on) = (
-            spawn(dir.path(), DraftAhead::Eager),
-            spawn(dir.path(), DraftAhead::On),
-        );
+        let dir = model_dir(4);
+        let chain = greedy_chain(&dir, 9);
+        let (mut eager, mut on) = (spawn(&dir, DraftAhead::Eager), spawn(&dir, DraftAhead::On));
         for t in [&mut eager, &mut on] {
             // Two drafts: ahead goes as far as the guess and two more.
             assert_eq!(t.draft(vec![35], 2).expect("draft").tokens, chain[..2]);
@@ -590,13 +601,9 @@ mod tests {
     /// would have come true finds nothing ready.
     #[test]
     fn drafting_ahead_pauses_while_rounds_reject_drafts() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 5, None).expect("fixture");
+        let dir = model_dir(5);
         // `mirror` sees the same committed sequence and drafts one more: the guess.
-        let (mut gated, mut mirror) = (
-            spawn(dir.path(), DraftAhead::On),
-            spawn(dir.path(), DraftAhead::Off),
-        );
+        let (mut gated, mut mirror) = (spawn(&dir, DraftAhead::On), spawn(&dir, DraftAhead::Off));
         let mut committed = vec![35];
         for _ in 0..8 {
             let drafts = gated.draft(committed.clone(), 4).expect("draft").tokens;
@@ -620,13 +627,9 @@ mod tests {
     /// so far: their argmax is the greedy chain.
     #[test]
     fn logits_follow_the_committed_sequence_and_the_picked_tokens() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 6, None).expect("fixture");
-        let chain = spawn(dir.path(), DraftAhead::Off)
-            .draft(vec![35], 3)
-            .expect("chain")
-            .tokens;
-        let mut t = spawn(dir.path(), DraftAhead::On);
+        let dir = model_dir(6);
+        let chain = greedy_chain(&dir, 3);
+        let mut t = spawn(&dir, DraftAhead::On);
         let first = t.logits(vec![35], vec![]).expect("logits");
         assert_eq!(first.len(), 97);
         assert_eq!(argmax(&first), chain[0]);
@@ -640,11 +643,7 @@ mod tests {
 
     #[test]
     fn drafting_without_a_prompt_is_an_error_not_a_hang() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 2, None).expect("fixture");
-        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
-        warm_up(model.as_ref()).expect("warm up");
-        let mut t = DraftThread::spawn(model, 97, DraftAhead::On).expect("spawn");
+        let mut t = spawn_unstarted(&model_dir(2), DraftAhead::On);
         let err = t.draft(vec![1], 2).expect_err("no prompt yet");
         assert!(err.to_string().contains("prompt"), "{err}");
         t.begin(&PROMPT).expect("begin");
