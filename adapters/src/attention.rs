@@ -3,15 +3,17 @@
 //! gemma4's values-from-keys and unscaled value norm. Drafters that attend from a block
 //! to a context (DFlash, DSpark) reuse it through [`Attention::append_context`].
 
-use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::{arange, concatenate, matmul, select, softmax_axis};
-use mlx_rs::Array;
+use std::cell::RefCell;
 
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select, softmax_axis};
+use mlx_rs::{Array, Dtype};
+
+use dspec_plugin_api::backend::Backend;
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{KvCache, WeightSource};
 
-use crate::cuda::attention as cuda_attention;
 use crate::layers::{
     is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight, RmsNorm,
     Rope,
@@ -72,15 +74,99 @@ pub enum Mask {
     Causal,
     /// `[L, keys]` booleans: what a sliding window leaves visible.
     Keys(Array),
+    /// Queries attend over the cache's whole buffer (see [`attends_whole_buffer`]):
+    /// `bias` is `[1, 1, L, capacity]` in the activations' dtype, 0 where a key is
+    /// visible and the dtype's lowest value elsewhere (past the written positions,
+    /// later positions of the input, outside a window).
+    WholeBuffer(WholeBufferBias),
+}
+
+/// The additive bias of [`Mask::WholeBuffer`], with its broadcast to each head count a
+/// layer asked for kept: MLX would otherwise add a broadcast node in every layer.
+pub struct WholeBufferBias {
+    bias: Array,
+    per_heads: RefCell<Vec<(i32, Array)>>,
+}
+
+impl WholeBufferBias {
+    /// `[1, heads, L, capacity]`.
+    fn for_heads(&self, heads: i32) -> Result<Array> {
+        let mut made = self.per_heads.borrow_mut();
+        if let Some((_, b)) = made.iter().find(|(h, _)| *h == heads) {
+            return Ok(b.clone());
+        }
+        let s = self.bias.shape();
+        let b = broadcast_to(&self.bias, &[1, heads, s[2], s[3]])?;
+        made.push((heads, b.clone()));
+        Ok(b)
+    }
+}
+
+/// Longest continuation of a cached sequence that attends over the whole cache buffer.
+pub const WHOLE_BUFFER_MAX_TOKENS: i32 = 32;
+
+/// Whether attention over the whole cache buffer pays on this backend, for a short
+/// continuation of a cached sequence (a speculative verify, typically: see
+/// [`is_short_continuation`]), over MLX's causal mode on the written keys.
+///
+/// Only on CUDA, where MLX 0.32.2 runs attention for more than one query through
+/// cuDNN and builds a cuDNN graph per distinct (query length, key length, strides):
+/// with the key length growing by the kept tokens every round, each verify paid a
+/// graph build. Over the whole buffer the key length is the capacity, which changes
+/// rarely ([`KvCache::capacity_for`]), so the graphs are built once per width and
+/// capacity. Metal's and the CPU's attention build nothing per length, and there the
+/// unwritten part of the buffer would only be read for nothing.
+pub fn whole_buffer_pays() -> bool {
+    Backend::current() == Backend::Cuda
+}
+
+/// A forward of `len` positions after `offset` cached ones that may attend over the
+/// whole cache buffer.
+pub fn is_short_continuation(offset: i32, len: i32) -> bool {
+    offset > 0 && len > 1 && len <= WHOLE_BUFFER_MAX_TOKENS
+}
+
+/// The [`Mask::WholeBuffer`] of `len` positions after `offset` cached ones, over a
+/// buffer of `capacity` positions, under an optional window, in `dtype`.
+pub fn whole_buffer_mask(
+    offset: i32,
+    len: i32,
+    capacity: i32,
+    window: Option<i32>,
+    dtype: Dtype,
+) -> Result<Mask> {
+    let q_pos = arange::<_, i32>(offset, offset + len, None)?.reshape(&[len, 1])?;
+    let k_pos = arange::<_, i32>(0, capacity, None)?.reshape(&[1, capacity])?;
+    let visible = visible(&q_pos, &k_pos, window)?;
+    let lowest = Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?;
+    let zero = Array::from_f32(0.0).as_dtype(dtype)?;
+    let bias = select(&visible, &zero, &lowest)?.reshape(&[1, 1, len, capacity])?;
+    Ok(Mask::WholeBuffer(WholeBufferBias {
+        bias,
+        per_heads: RefCell::new(Vec::new()),
+    }))
+}
+
+/// The lowest finite value of a float dtype: an additive mask of it hides a key as
+/// surely as −∞ does, without the NaN that −∞ gives a row (or a kernel's tile of a row)
+/// whose keys are all hidden.
+fn lowest_value(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Float16 => -65504.0,
+        Dtype::Bfloat16 => -3.389_531_4e38,
+        _ => f32::MIN,
+    }
 }
 
 impl Mask {
-    /// As MLX's attention takes it.
+    /// As MLX's attention takes it (which broadcasts a whole-buffer bias over the heads
+    /// itself).
     pub fn for_sdpa(&self) -> Option<ScaledDotProductAttentionMask<'_>> {
         match self {
             Mask::All => None,
             Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
             Mask::Keys(keys) => Some(ScaledDotProductAttentionMask::Array(keys)),
+            Mask::WholeBuffer(bias) => Some(ScaledDotProductAttentionMask::Array(&bias.bias)),
         }
     }
 }
@@ -100,7 +186,12 @@ fn visible_keys(offset: i32, len: i32, window: Option<i32>) -> Result<Array> {
     let total = offset + len;
     let q_pos = arange::<_, i32>(offset, total, None)?.reshape(&[len, 1])?;
     let k_pos = arange::<_, i32>(0, total, None)?.reshape(&[1, total])?;
-    let mut visible = k_pos.le(&q_pos)?;
+    visible(&q_pos, &k_pos, window)
+}
+
+/// Key positions `k_pos` (`[1, K]`) visible to query positions `q_pos` (`[L, 1]`).
+fn visible(q_pos: &Array, k_pos: &Array, window: Option<i32>) -> Result<Array> {
+    let mut visible = k_pos.le(q_pos)?;
     if let Some(w) = window {
         visible = visible.logical_and(&k_pos.gt(q_pos.subtract(Array::from_int(w))?)?)?;
     }
@@ -308,13 +399,11 @@ impl Attention {
                 (q, k, v)
             }
         };
-        let (keys, values) = cache.update_and_fetch(&k, &v)?;
+        let (keys, values) = match mask {
+            Mask::WholeBuffer(_) if !rows => cache.update_and_fetch_whole(&k, &v)?,
+            _ => cache.update_and_fetch(&k, &v)?,
+        };
         let len = q.shape()[2];
-        // Decoding and verifies on CUDA: one kernel for every position (see the module).
-        if (rows || len == 1) && cuda_attention::serves(&q, s.softcap.is_some()) {
-            let out = cuda_attention::attend(&q, &keys, &values, s.scale, s.sliding_window)?;
-            return self.o.forward(&out);
-        }
 
         let out = if rows {
             // One call per position: MLX's CUDA attention (0.32.2) computes several causal
@@ -362,14 +451,17 @@ impl Attention {
     ) -> Result<Array> {
         let s = &self.spec;
         match s.softcap {
-            None => Ok(scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                s.scale,
-                mask.for_sdpa(),
-                None,
-            )?),
+            None => {
+                let broadcast = match mask {
+                    Mask::WholeBuffer(bias) => Some(bias.for_heads(s.heads)?),
+                    _ => None,
+                };
+                let mask = match &broadcast {
+                    Some(bias) => Some(ScaledDotProductAttentionMask::Array(bias)),
+                    None => mask.for_sdpa(),
+                };
+                Ok(scaled_dot_product_attention(q, keys, values, s.scale, mask, None)?)
+            }
             Some(cap) => self.softcapped_attention(q, keys, values, mask, cap),
         }
     }
@@ -397,6 +489,11 @@ impl Attention {
             Mask::All => None,
             Mask::Causal => Some(visible_keys(total - len, len, None)?),
             Mask::Keys(keys) => Some(keys.clone()),
+            Mask::WholeBuffer(bias) => {
+                let bias = bias.bias.reshape(&[1, 1, 1, len, total])?;
+                scores = scores.add(bias.as_dtype(scores.dtype())?)?;
+                None
+            }
         };
         if let Some(keys) = keys {
             let hidden = Array::from_f32(f32::NEG_INFINITY).as_dtype(scores.dtype())?;

@@ -13,7 +13,6 @@ use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{LoraUpdate, Quantization, WeightSource};
 
-use crate::cuda;
 use crate::lora::{merged_weight, LoraDelta};
 
 /// Quantized weight parts, as MLX's affine quantization stores them.
@@ -161,17 +160,12 @@ pub fn is_row_layout(x: &Array) -> bool {
 /// `x · wᵀ` for a dense `[out, in]` weight, also kept as its `[in, out]` view (a free
 /// transpose) so a product is a plain matmul.
 ///
-/// Decoding and the row layout (R positions as `[R, 1, in]`) must compute each position
-/// exactly as a one-token step would: MLX rounds a matrix-matrix product differently
-/// from a matrix-vector one, and a greedy verify would drift from plain decoding at
-/// near-ties.
-/// - With dspec's CUDA kernels on ([`cuda::available`]) both go through
-///   [`cuda::matvec`]: one node, the weight read once for all rows, each row computed
-///   alike for any row count.
-/// - Otherwise the row layout issues R batched vector-matrix products over the weight
-///   broadcast to `[R, in, out]`, with the rows laid out by [`rows_apart`]. The
-///   broadcast is made once per R and kept: evaluated, it is a leaf of later graphs
-///   instead of a node queued again in every layer of every verify.
+/// The row layout (R positions as `[R, 1, in]`, the exact verify) must compute each
+/// position exactly as a one-token step would: MLX rounds a matrix-matrix product
+/// differently from a matrix-vector one. It issues R batched vector-matrix products over
+/// the weight broadcast to `[R, in, out]`, with the rows laid out by [`rows_apart`]. The
+/// broadcast is made once per R and kept: evaluated, it is a leaf of later graphs
+/// instead of a node queued again in every layer of every verify.
 struct DenseProduct {
     weight: Array,
     weight_t: Array,
@@ -188,9 +182,6 @@ impl DenseProduct {
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        if cuda::matvec::serves(x, &self.weight) {
-            return cuda::matvec::product(x, &self.weight);
-        }
         if !is_row_layout(x) {
             return Ok(matmul(x, &self.weight_t)?);
         }
@@ -752,11 +743,9 @@ mod tests {
                 assert!(row.all_close(&one, 1e-5, 1e-5, None).unwrap(), "{backend:?}: row {r}");
             }
         }
-        if !cuda::matvec::serves(&x, &product.weight) {
-            product.forward(&x.try_index(0..2).unwrap()).unwrap();
-            product.forward(&x).unwrap();
-            let counts: Vec<i32> = product.row_weights.borrow().iter().map(|(r, _)| *r).collect();
-            assert_eq!(counts, [4, 2]);
-        }
+        product.forward(&x.try_index(0..2).unwrap()).unwrap();
+        product.forward(&x).unwrap();
+        let counts: Vec<i32> = product.row_weights.borrow().iter().map(|(r, _)| *r).collect();
+        assert_eq!(counts, [4, 2]);
     }
 }

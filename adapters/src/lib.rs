@@ -3,7 +3,6 @@
 //! with `inventory`. To add a family: copy the closest file and adjust.
 
 pub mod attention;
-pub mod cuda;
 pub mod config;
 pub mod fixtures;
 // Public (unlike the other families) for its tiny test config, which drafter and

@@ -9,7 +9,9 @@ use dspec_plugin_api::error::Result;
 use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
-use crate::attention::{attention_mask, Attention, AttentionSpec, Mask};
+use crate::attention::{
+    attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
+};
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
 
 /// Where the norms sit around each sub-block.
@@ -161,6 +163,8 @@ pub struct Decoder {
     final_logit_softcap: Option<f32>,
     /// Run short continuations position by position (`LoadOptions::rowwise_verify`).
     rowwise_verify: bool,
+    /// Short continuations attend over the whole cache buffer ([`whole_buffer_pays`]).
+    whole_buffer: bool,
 }
 
 /// Longest continuation run in the row layout; longer ones (a second chat turn, say)
@@ -216,6 +220,7 @@ impl Decoder {
             lm_head,
             final_logit_softcap: spec.final_logit_softcap,
             rowwise_verify: w.options().rowwise_verify,
+            whole_buffer: whole_buffer_pays(),
         })
     }
 }
@@ -249,9 +254,27 @@ impl TargetModel for Decoder {
                 Ok(x.clone())
             }
         };
+        let mut h = self.embed(tokens)?;
+        // Every layer's cache grows in lockstep, so the first one tells the capacity the
+        // whole-buffer masks span once this forward has written its keys.
+        let whole_buffer = match cache.layers.first() {
+            Some(first) if !rows && self.whole_buffer && is_short_continuation(offset, len) => {
+                Some(first.capacity_for((offset + len) as usize) as i32)
+            }
+            _ => None,
+        };
         // One mask per distinct window, shared by the layers that use it.
         let mut masks: HashMap<Option<i32>, Mask> = HashMap::new();
-        let mut h = self.embed(tokens)?;
+        let dtype = h.dtype();
+        let mask_for = |window: Option<i32>| -> Result<Mask> {
+            if rows {
+                return Ok(Mask::All);
+            }
+            match whole_buffer {
+                Some(capacity) => whole_buffer_mask(offset, len, capacity, window, dtype),
+                None => attention_mask(offset, len, window),
+            }
+        };
         if rows {
             h = h.reshape(&[len, 1, hidden_size])?;
         }
@@ -261,10 +284,7 @@ impl TargetModel for Decoder {
             let window = layer.attn.sliding_window();
             let mask = match masks.entry(window) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) if rows => e.insert(Mask::All),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(attention_mask(offset, len, window)?)
-                }
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(mask_for(window)?),
             };
             h = layer.forward(&h, layer_cache, mask)?;
             if taps.contains(&i) {
@@ -370,6 +390,47 @@ mod tests {
                     .count();
                 assert_eq!(differing, 0, "{name} {dtype:?}: {differing} logits differ");
             }
+        }
+    }
+
+    /// Attention over the whole cache buffer (CUDA's verify path) computes what the
+    /// causal path over the written keys does, with stale keys left past the offset by a
+    /// trim, with and without a sliding window that cuts into the continuation.
+    #[test]
+    fn whole_buffer_continuations_equal_causal_ones() {
+        use super::Decoder;
+        use crate::llama::llama_spec;
+        use dspec_plugin_api::weights::RandomWeights;
+
+        let config: serde_json::Value = serde_json::from_str(TINY_LLAMA).expect("config");
+        let dir = std::path::Path::new(".");
+        let tokens: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 97).collect();
+        let ids = |t: &[u32]| Array::from_slice(t, &[1, t.len() as i32]);
+        for window in [None, Some(6)] {
+            let run = |whole_buffer: bool| -> Vec<f32> {
+                let spec = llama_spec(&config, dir, "llama", window).expect("spec");
+                let mut weights = RandomWeights::new(13).expect("weights");
+                let mut model = Decoder::load(spec, &mut weights).expect("load");
+                model.whole_buffer = whole_buffer;
+                let mut cache = model.new_cache();
+                model.forward(&ids(&tokens[..9]), &mut cache, &[]).expect("prefill");
+                // A rejected round leaves its keys in the buffer past the offset.
+                model.forward(&ids(&tokens[9..13]), &mut cache, &[]).expect("round");
+                assert_eq!(cache.trim(3), 3);
+                let logits = model
+                    .forward(&ids(&tokens[10..16]), &mut cache, &[])
+                    .expect("verify")
+                    .logits;
+                logits.as_slice::<f32>().to_vec()
+            };
+            let (whole, causal) = (run(true), run(false));
+            assert_eq!(whole.len(), 6 * 97);
+            let worst = whole
+                .iter()
+                .zip(&causal)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-4, "window {window:?}: logits differ by up to {worst}");
         }
     }
 }

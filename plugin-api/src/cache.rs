@@ -9,12 +9,10 @@ use mlx_rs::Array;
 use crate::error::Result;
 use crate::slicing::{slice_axis, write_axis};
 
-/// Positions are allocated in chunks of this many so that decode steps rarely grow the
-/// buffer. Deliberately not 256: MLX's CUDA backend sends one-token attention over a
-/// buffer whose length is a multiple of 256 to cuDNN, keyed by the buffer's length, and
-/// a speculative verify (which writes ahead, so its buffer can be one chunk longer at the
-/// same position) would then round differently from plain decoding. With 255 every
-/// one-token attention takes MLX's own vector kernel, whatever the buffer length.
+/// Buffers are allocated in multiples of this many positions. Deliberately not 256:
+/// MLX's CUDA backend sends one-token attention over a buffer whose length is a multiple
+/// of 256 to cuDNN, with a plan built per buffer length; with 255 one-token attention
+/// always takes MLX's own vector kernel.
 const GROWTH_STEP: i32 = 255;
 
 /// Keys and values of one attention layer, shaped `[B, kv_heads, capacity, head_dim]`.
@@ -44,6 +42,27 @@ impl KvCache {
     /// Appends `keys`/`values` (`[B, H, L, D]`) at the offset and returns all valid
     /// keys and values, `[B, H, offset + L, D]`.
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let (k_buf, v_buf) = self.write(keys, values)?;
+        Ok((
+            slice_axis(&k_buf, 2, 0, self.offset)?,
+            slice_axis(&v_buf, 2, 0, self.offset)?,
+        ))
+    }
+
+    /// Like [`KvCache::update_and_fetch`], but returns the whole allocated buffers,
+    /// `[B, H, capacity, D]`: positions from `offset + L` on hold stale or zero values,
+    /// which the caller masks. A short continuation attends over this fixed-length view
+    /// so that its shapes repeat from one verify to the next (see [`KvCache::capacity_for`]).
+    pub fn update_and_fetch_whole(
+        &mut self,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(Array, Array)> {
+        self.write(keys, values)
+    }
+
+    /// Writes `keys`/`values` at the offset, moves it past them and returns the buffers.
+    fn write(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
         let new_len = keys.shape()[2];
         let end = self.offset + new_len;
         if end as usize > self.capacity() {
@@ -56,7 +75,24 @@ impl KvCache {
         *k_buf = write_axis(k_buf, keys, 2, self.offset)?;
         *v_buf = write_axis(v_buf, values, 2, self.offset)?;
         self.offset = end;
-        Ok((slice_axis(k_buf, 2, 0, end)?, slice_axis(v_buf, 2, 0, end)?))
+        Ok((k_buf.clone(), v_buf.clone()))
+    }
+
+    /// The capacity the cache will have once it holds `end` positions. Capacities double
+    /// (`GROWTH_STEP · 2^n`), so a long generation passes through few distinct buffer
+    /// lengths: every shape-keyed plan a backend builds for attention over the whole
+    /// buffer (cuDNN on CUDA) is built a few times per process, not every few hundred
+    /// tokens. The price is up to twice the memory the positions need.
+    pub fn capacity_for(&self, end: usize) -> usize {
+        let current = self.capacity();
+        if end <= current {
+            return current;
+        }
+        let mut capacity = (current.max(GROWTH_STEP as usize)).max(1);
+        while capacity < end {
+            capacity *= 2;
+        }
+        capacity
     }
 
     /// Forgets the last `n` positions (clamped to what is there); returns how many were dropped.
@@ -67,7 +103,7 @@ impl KvCache {
     }
 
     fn grow(&mut self, keys: &Array, values: &Array, needed: i32) -> Result<()> {
-        let capacity = (needed + GROWTH_STEP - 1) / GROWTH_STEP * GROWTH_STEP;
+        let capacity = self.capacity_for(needed as usize) as i32;
         let grow_one = |old: Option<&Array>, like: &Array| -> Result<Array> {
             let shape = like.shape();
             let fresh = |len: i32| zeros_dtype(&[shape[0], shape[1], len, shape[3]], like.dtype());
@@ -218,5 +254,38 @@ mod tests {
         assert_eq!(cache.capacity(), 2 * GROWTH_STEP as usize);
         let expected = concatenate(&[a, b], 2).unwrap();
         assert!(k.all_close(&expected, 0.0, 0.0, None).unwrap());
+    }
+
+    #[test]
+    fn capacities_double_and_are_predicted_before_writing() {
+        let mut cache = KvCache::new();
+        let step = GROWTH_STEP as usize;
+        assert_eq!(cache.capacity_for(1), step);
+        assert_eq!(cache.capacity_for(3 * step), 4 * step);
+        let a = kv(10, 7);
+        cache.update_and_fetch(&a, &a).unwrap();
+        assert_eq!(cache.capacity(), step);
+        assert_eq!(cache.capacity_for(step), step, "fits: no growth");
+        assert_eq!(cache.capacity_for(step + 1), 2 * step);
+        assert_eq!(cache.capacity_for(5 * step), 8 * step);
+        let b = kv(step as i32, 8);
+        cache.update_and_fetch(&b, &b).unwrap();
+        assert_eq!(cache.capacity(), 2 * step, "growth is what capacity_for said");
+    }
+
+    #[test]
+    fn the_whole_buffer_holds_the_valid_prefix_first() {
+        let mut cache = KvCache::new();
+        let a = kv(6, 9);
+        cache.update_and_fetch(&a, &a).unwrap();
+        assert_eq!(cache.trim(2), 2);
+        let b = kv(3, 10);
+        let (k, v) = cache.update_and_fetch_whole(&b, &b).unwrap();
+        assert_eq!(k.shape(), &[1, 2, GROWTH_STEP, 4]);
+        let kept = a.try_index((.., .., ..4)).unwrap();
+        let expected = concatenate(&[kept, b], 2).unwrap();
+        assert!(k.try_index((.., .., ..7)).unwrap().all_close(&expected, 0.0, 0.0, None).unwrap());
+        assert!(v.try_index((.., .., ..7)).unwrap().all_close(&expected, 0.0, 0.0, None).unwrap());
+        assert_eq!(cache.offset(), 7);
     }
 }
