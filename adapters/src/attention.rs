@@ -442,13 +442,7 @@ impl Attention {
     }
 
     /// Attention of `q` (`[1, heads, L, D]`) over `keys`/`values`.
-    fn attend(
-        &self,
-        q: &Array,
-        keys: &Array,
-        values: &Array,
-        mask: &Mask,
-    ) -> Result<Array> {
+    fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: &Mask) -> Result<Array> {
         let s = &self.spec;
         match s.softcap {
             None => {
@@ -460,7 +454,9 @@ impl Attention {
                     Some(bias) => Some(ScaledDotProductAttentionMask::Array(bias)),
                     None => mask.for_sdpa(),
                 };
-                Ok(scaled_dot_product_attention(q, keys, values, s.scale, mask, None)?)
+                Ok(scaled_dot_product_attention(
+                    q, keys, values, s.scale, mask, None,
+                )?)
             }
             Some(cap) => self.softcapped_attention(q, keys, values, mask, cap),
         }
@@ -541,7 +537,11 @@ mod tests {
             let total = offset + 6;
             let x = random::normal::<f32>(&[total, 1, 32], None, None, Some(&key)).unwrap();
             // The cache holds `offset` positions, written by one ordinary forward.
-            let prefix = x.try_index((0..offset, 0, ..)).unwrap().reshape(&[1, offset, 32]).unwrap();
+            let prefix = x
+                .try_index((0..offset, 0, ..))
+                .unwrap()
+                .reshape(&[1, offset, 32])
+                .unwrap();
             let mask = attention_mask(0, offset, window).unwrap();
             let mut rows_cache = KvCache::default();
             attn.forward(&prefix, &mut rows_cache, &mask).unwrap();

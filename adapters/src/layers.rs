@@ -307,31 +307,83 @@ impl Linear {
     /// input (q/k/v, gate/up) saves kernel launches per token, which is what decoding
     /// costs on a GPU. Each output element is the same dot product as before.
     pub fn fuse(parts: &[&Linear]) -> Result<Option<Linear>> {
-        let mut weights = Vec::with_capacity(parts.len());
         let mut biases = Vec::with_capacity(parts.len());
         for part in parts {
             // A switchable LoRA update belongs to one projection: keep those apart.
-            let (LinearWeight::Dense(d), None) = (&part.weight, &part.lora) else {
+            if part.lora.is_some() {
                 return Ok(None);
-            };
-            weights.push(d.weight.clone());
+            }
             biases.extend(part.bias.clone());
         }
-        if !biases.is_empty() && biases.len() != parts.len() {
+        if parts.is_empty() || (!biases.is_empty() && biases.len() != parts.len()) {
             return Ok(None);
         }
-        // `[out, in]` blocks stacked, like every dense weight, so products see the same
-        // layout (and MLX's CUDA backend the same kernels).
-        let weight = concatenate(&weights, 0)?;
+        let Some(weight) = LinearWeight::stacked(parts.iter().map(|p| &p.weight))? else {
+            return Ok(None);
+        };
         let bias = match biases.is_empty() {
             true => None,
             false => Some(concatenate(&biases, 0)?),
         };
         Ok(Some(Linear {
-            weight: LinearWeight::Dense(DenseProduct::new(weight)),
+            weight,
             bias,
             lora: None,
         }))
+    }
+}
+
+impl LinearWeight {
+    /// The weights' `[out, in]` blocks stacked along `out`, when all are dense, or all
+    /// quantized alike (same bits and group size: quantization groups run along `in`,
+    /// so stacking the packed rows, scales and biases quantizes nothing again);
+    /// `None` for a mix.
+    fn stacked<'a>(
+        weights: impl Iterator<Item = &'a LinearWeight>,
+    ) -> Result<Option<LinearWeight>> {
+        let weights: Vec<&LinearWeight> = weights.collect();
+        let stack = |pick: &dyn Fn(&LinearWeight) -> Option<Array>| -> Result<Option<Array>> {
+            let arrays: Option<Vec<Array>> = weights.iter().map(|w| pick(w)).collect();
+            match arrays {
+                Some(arrays) => Ok(Some(concatenate(&arrays, 0)?)),
+                None => Ok(None),
+            }
+        };
+        match weights.first() {
+            // `[out, in]` blocks stacked, like every dense weight, so products see the
+            // same layout (and MLX's CUDA backend the same kernels).
+            Some(LinearWeight::Dense(_)) => {
+                let dense = |w: &LinearWeight| match w {
+                    LinearWeight::Dense(d) => Some(d.weight.clone()),
+                    LinearWeight::Quantized(_) => None,
+                };
+                Ok(stack(&dense)?.map(|w| LinearWeight::Dense(DenseProduct::new(w))))
+            }
+            Some(LinearWeight::Quantized(first)) => {
+                let (bits, group_size) = (first.bits, first.group_size);
+                let part = |w: &LinearWeight, which: fn(&Quantized) -> &Array| match w {
+                    LinearWeight::Quantized(q) if q.bits == bits && q.group_size == group_size => {
+                        Some(which(q).clone())
+                    }
+                    _ => None,
+                };
+                let (Some(weight), Some(scales), Some(biases)) = (
+                    stack(&|w| part(w, |q| &q.weight))?,
+                    stack(&|w| part(w, |q| &q.scales))?,
+                    stack(&|w| part(w, |q| &q.biases))?,
+                ) else {
+                    return Ok(None);
+                };
+                Ok(Some(LinearWeight::Quantized(Quantized {
+                    weight,
+                    scales,
+                    biases,
+                    group_size,
+                    bits,
+                })))
+            }
+            None => Ok(None),
+        }
     }
 }
 
@@ -649,7 +701,8 @@ impl Activation {
 
 /// `down(act(gate(x)) · up(x))`.
 pub struct GatedMlp {
-    /// Gate and up, fused into one product (outputs side by side) when both are dense.
+    /// Gate and up, fused into one product (outputs side by side) when both are dense or
+    /// quantized alike.
     gate_up: GateUp,
     down: Linear,
     act: Activation,
@@ -714,22 +767,74 @@ mod tests {
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
 
+    /// Quantized projections fuse like dense ones: the fused product's outputs are the
+    /// separate products' side by side; a mix of dense and quantized, or of bit widths,
+    /// stays apart.
+    #[test]
+    fn quantized_projections_fuse_exactly() {
+        let normal = |shape: &[i32], seed: u64| {
+            random::normal::<f32>(shape, None, None, Some(&random::key(seed).unwrap())).unwrap()
+        };
+        let linear = |seed: u64, out: i32, bits: Option<i32>| {
+            let dense = normal(&[out, 64], seed);
+            let weight = match bits {
+                Some(bits) => {
+                    let q = Quantization {
+                        bits,
+                        group_size: 32,
+                    };
+                    match maybe_quantize(dense, Some(q)).unwrap() {
+                        Ok(q) => LinearWeight::Quantized(q),
+                        Err(_) => unreachable!("64 columns take group size 32"),
+                    }
+                }
+                None => LinearWeight::Dense(DenseProduct::new(dense)),
+            };
+            Linear {
+                weight,
+                bias: Some(normal(&[out], seed + 100)),
+                lora: None,
+            }
+        };
+        let (a, b) = (linear(1, 48, Some(4)), linear(2, 16, Some(4)));
+        let fused = Linear::fuse(&[&a, &b])
+            .unwrap()
+            .expect("alike quantized weights fuse");
+        assert_eq!(fused.quantized_bits(), Some(4));
+        let x = normal(&[1, 3, 64], 9);
+        let both = concatenate(&[a.forward(&x).unwrap(), b.forward(&x).unwrap()], -1).unwrap();
+        let y = fused.forward(&x).unwrap();
+        assert_eq!(y.shape(), &[1, 3, 64]);
+        assert!(y.all_close(&both, 1e-5, 1e-5, None).unwrap());
+        let (dense, eight) = (linear(3, 16, None), linear(4, 16, Some(8)));
+        assert!(
+            Linear::fuse(&[&a, &dense]).unwrap().is_none(),
+            "dense with quantized"
+        );
+        assert!(
+            Linear::fuse(&[&a, &eight]).unwrap().is_none(),
+            "4-bit with 8-bit"
+        );
+    }
+
     /// The row layout's products equal one-row products, bitwise, on whichever backend
-    /// runs the test (the portable layout on a CPU, dspec's kernel on CUDA), and the
-    /// portable layout keeps one broadcast weight per row count.
+    /// runs the test, and the layout keeps one broadcast weight per row count.
     #[test]
     fn row_products_equal_one_row_products() {
         let key = random::key(3).unwrap();
         let x = random::normal::<f32>(&[4, 1, 64], None, None, Some(&key)).unwrap();
-        let w = random::normal::<f32>(&[48, 64], None, None, Some(&random::key(4).unwrap()))
-            .unwrap();
+        let w =
+            random::normal::<f32>(&[48, 64], None, None, Some(&random::key(4).unwrap())).unwrap();
         let product = DenseProduct::new(w);
         let rows = product.forward(&x).unwrap();
         assert_eq!(rows.shape(), &[4, 1, 48]);
         for r in 0..4 {
             let one = product.forward(&x.try_index(r..r + 1).unwrap()).unwrap();
             let row = rows.try_index(r..r + 1).unwrap();
-            assert!(row.eq_values(&one).unwrap(), "row {r} differs from its one-row product");
+            assert!(
+                row.eq_values(&one).unwrap(),
+                "row {r} differs from its one-row product"
+            );
         }
         // Both layouts hold the rows of `x`: their products equal one-row products in
         // value on any backend (bitwise is each backend's own claim, checked above for
@@ -740,12 +845,20 @@ mod tests {
             for r in 0..4 {
                 let one = matmul(&x.try_index(r..r + 1).unwrap(), &product.weight_t).unwrap();
                 let row = rows.try_index(r..r + 1).unwrap();
-                assert!(row.all_close(&one, 1e-5, 1e-5, None).unwrap(), "{backend:?}: row {r}");
+                assert!(
+                    row.all_close(&one, 1e-5, 1e-5, None).unwrap(),
+                    "{backend:?}: row {r}"
+                );
             }
         }
         product.forward(&x.try_index(0..2).unwrap()).unwrap();
         product.forward(&x).unwrap();
-        let counts: Vec<i32> = product.row_weights.borrow().iter().map(|(r, _)| *r).collect();
+        let counts: Vec<i32> = product
+            .row_weights
+            .borrow()
+            .iter()
+            .map(|(r, _)| *r)
+            .collect();
         assert_eq!(counts, [4, 2]);
     }
 }

@@ -10,7 +10,8 @@ use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
 use crate::attention::{
-    attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
+    attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention,
+    AttentionSpec, Mask,
 };
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
 
@@ -413,9 +414,13 @@ mod tests {
                 let mut model = Decoder::load(spec, &mut weights).expect("load");
                 model.whole_buffer = whole_buffer;
                 let mut cache = model.new_cache();
-                model.forward(&ids(&tokens[..9]), &mut cache, &[]).expect("prefill");
+                model
+                    .forward(&ids(&tokens[..9]), &mut cache, &[])
+                    .expect("prefill");
                 // A rejected round leaves its keys in the buffer past the offset.
-                model.forward(&ids(&tokens[9..13]), &mut cache, &[]).expect("round");
+                model
+                    .forward(&ids(&tokens[9..13]), &mut cache, &[])
+                    .expect("round");
                 assert_eq!(cache.trim(3), 3);
                 let logits = model
                     .forward(&ids(&tokens[10..16]), &mut cache, &[])
@@ -430,7 +435,10 @@ mod tests {
                 .zip(&causal)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0f32, f32::max);
-            assert!(worst < 1e-4, "window {window:?}: logits differ by up to {worst}");
+            assert!(
+                worst < 1e-4,
+                "window {window:?}: logits differ by up to {worst}"
+            );
         }
     }
 }

@@ -270,7 +270,11 @@ mod tests {
         assert_eq!(cache.capacity_for(5 * step), 8 * step);
         let b = kv(step as i32, 8);
         cache.update_and_fetch(&b, &b).unwrap();
-        assert_eq!(cache.capacity(), 2 * step, "growth is what capacity_for said");
+        assert_eq!(
+            cache.capacity(),
+            2 * step,
+            "growth is what capacity_for said"
+        );
     }
 
     #[test]
@@ -284,8 +288,16 @@ mod tests {
         assert_eq!(k.shape(), &[1, 2, GROWTH_STEP, 4]);
         let kept = a.try_index((.., .., ..4)).unwrap();
         let expected = concatenate(&[kept, b], 2).unwrap();
-        assert!(k.try_index((.., .., ..7)).unwrap().all_close(&expected, 0.0, 0.0, None).unwrap());
-        assert!(v.try_index((.., .., ..7)).unwrap().all_close(&expected, 0.0, 0.0, None).unwrap());
+        assert!(k
+            .try_index((.., .., ..7))
+            .unwrap()
+            .all_close(&expected, 0.0, 0.0, None)
+            .unwrap());
+        assert!(v
+            .try_index((.., .., ..7))
+            .unwrap()
+            .all_close(&expected, 0.0, 0.0, None)
+            .unwrap());
         assert_eq!(cache.offset(), 7);
     }
 }
