@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""One model's GPU report: every line of dspec's speed that matters, beside mlx-lm's.
+
+In one invocation, on one target (and its draft model):
+  - plain greedy, and speculative decoding with the draft model under `--max-draft auto`,
+    on the built-in prompts (`dspec bench`, which also checks outputs and reports every
+    first difference as a near-tie or a real mismatch), with warm prefill at the asked
+    lengths and each length's first call apart;
+  - n-gram lookup under `--max-draft auto` on the built-in prompts (where it rarely hits,
+    so auto must fall back to plain speed), and on a long edit prompt whose answer copies
+    the prompt (a rename across a long function);
+  - sampled decoding (temperature 0.7, top-p 0.9) and 4-bit weights (`--quantize 4`),
+    each against greedy decoding run the same way (`dspec generate`, one process each);
+  - verify cost per width against one decode step (scripts/gpu_verify_cost.py);
+  - mlx-lm 0.32.2 on the same prompt ids: greedy, sampled, speculative with the same
+    draft model (k=4), 4-bit (nn.quantize in the process) and warm prefill.
+Prints one table with the physical limit of plain decoding, writes JSON after each part.
+
+Usage: python3 scripts/gpu_report.py --dspec BIN --target DIR --draft DIR [--json-out F]
+           [--prefill-lengths 1024,4096,16384] [--widths 2,4,8,16] [--skip-mlx-lm]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gpu import aggregate, mlx_lm_generate, mlx_lm_view, weight_bytes  # noqa: E402
+import gpu_verify_cost  # noqa: E402
+
+EDIT_BODY = "\n".join(
+    [
+        "def summarize(records, threshold):",
+        "    count = 0",
+        "    skipped = 0",
+        "    for record in records:",
+        "        if record.value is None:",
+        "            skipped += 1",
+        "            continue",
+        "        if record.value > threshold:",
+        "            count += record.value",
+        "            print(f\"record {record.name}: count is now {count}\")",
+        "        elif record.value == threshold:",
+        "            count += 1",
+        "        else:",
+        "            count -= record.penalty",
+        "        if count < 0:",
+        "            print(f\"count went negative at {record.name}\")",
+        "            count = 0",
+        "    average = count / max(len(records) - skipped, 1)",
+        "    print(f\"final count = {count}, average = {average:.2f}, skipped = {skipped}\")",
+        "    return {\"count\": count, \"average\": average, \"skipped\": skipped}",
+    ]
+)
+EDIT_PROMPT = ("Rename the variable `count` to `running_total` everywhere in this function "
+               "and return the whole function, nothing else:\n\n" + EDIT_BODY + "\n")
+# The prompts of every line but the edit one: code, chat, and a short edit.
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a "
+    "docstring.",
+    "Explain in a few sentences why the sky is blue.",
+    "Write a C function that reverses a singly linked list in place, and explain it.",
+]
+SAMPLING = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]
+
+
+def run_json(cmd):
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.stderr.strip():
+        print(out.stderr.strip()[-1500:], file=sys.stderr)
+    try:
+        return json.loads(out.stdout)
+    except json.JSONDecodeError:
+        print(f"failed (exit {out.returncode})", file=sys.stderr)
+        return None
+
+
+def bench(args, drafter, max_draft, extra):
+    report = run_json([args.dspec, "bench", "--target", args.target, "--drafter", drafter,
+                       "--max-draft", max_draft, "--max-tokens", str(args.max_tokens),
+                       "--json", *extra])
+    return None if report is None else report["report"]
+
+
+def generate_rate(args, prompts, extra):
+    """Decode tok/s over the prompts (total tokens over total time), one process each."""
+    pairs = []
+    for p in prompts:
+        r = run_json([args.dspec, "generate", "--target", args.target, "--prompt", p,
+                      "--max-tokens", str(args.max_tokens), "--json", *extra])
+        if r is not None:
+            s = r["stats"]
+            pairs.append((s["decode_tokens_per_second"], max(s["generated_tokens"] - 1, 0)))
+    return aggregate(pairs) if pairs else None
+
+
+class MlxLmPeer:
+    def __init__(self, target, draft):
+        os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "65536")
+        import mlx.core as mx
+        from mlx_lm import load, stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        self.mx, self.stream_generate, self.make_sampler = mx, stream_generate, make_sampler
+        self.model, self.tokenizer = load(mlx_lm_view(target))
+        self.draft, _ = load(mlx_lm_view(draft))
+
+    def rate(self, prompts, max_tokens, sampler, draft=None, num_draft=0):
+        # Warm-up on the first prompt, not timed.
+        mlx_lm_generate(self.stream_generate, self.model, self.tokenizer, prompts[0], 16,
+                        sampler, draft, num_draft)
+        pairs, taus = [], []
+        for ids in prompts:
+            tokens, tps, tau = mlx_lm_generate(self.stream_generate, self.model, self.tokenizer,
+                                               ids, max_tokens, sampler, draft, num_draft)
+            pairs.append((tps, max(len(tokens) - 1, 0)))
+            if tau:
+                taus.append(tau)
+        return aggregate(pairs), (statistics.mean(taus) if taus else None)
+
+    def prefill(self, ids, runs=3):
+        """Warm prefill tok/s of `ids` (chunks of 2048, as mlx-lm's generate does) and the
+        first call's seconds."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        mx = self.mx
+        times = []
+        for _ in range(runs + 1):
+            cache = make_prompt_cache(self.model)
+            start = time.perf_counter()
+            for i in range(0, len(ids), 2048):
+                self.model(mx.array(ids[i:i + 2048])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            times.append(time.perf_counter() - start)
+        return len(ids) / statistics.median(times[1:]), times[0]
+
+    def quantize(self):
+        import mlx.nn as nn
+
+        nn.quantize(self.model, group_size=64, bits=4)
+        self.mx.eval(self.model.parameters())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dspec", required=True)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prefill-lengths", default="1024,4096,16384")
+    ap.add_argument("--widths", default="2,4,8,16")
+    ap.add_argument("--hbm-gbps", type=float, default=3350.0)
+    ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--skip-verify", action="store_true")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    rec = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens}
+
+    def save():
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(rec, f, indent=1)
+
+    def prompts_file(texts):
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+            for t in texts:
+                f.write(json.dumps({"prompt": t}) + "\n")
+            return f.name
+
+    common, edit = prompts_file(PROMPTS), prompts_file([EDIT_PROMPT])
+    dm = bench(args, f"model:{args.draft}", "auto",
+               ["--prompts", common, "--prefill-lengths", args.prefill_lengths])
+    rec["draft_model_auto"] = dm
+    save()
+    rec["ngram_auto"] = bench(args, "ngram", "auto", ["--prompts", common, "--prefill-runs", "0"])
+    rec["ngram_edit_auto"] = bench(args, "ngram", "auto:16",
+                                   ["--prompts", edit, "--prefill-runs", "0"])
+    save()
+    rec["generate_greedy"] = generate_rate(args, PROMPTS, [])
+    rec["generate_sampled"] = generate_rate(args, PROMPTS, SAMPLING)
+    rec["generate_4bit"] = generate_rate(args, PROMPTS, ["--quantize", "4"])
+    save()
+    if not args.skip_verify:
+        widths = [int(w) for w in args.widths.split(",")]
+        step, tps, _ = gpu_verify_cost.plain_step_ms(args.dspec, args.target, 128, [])
+        verify = {"step_ms": step}
+        for mode, ws in (("batched", widths), ("exact", [4])):
+            for w in ws:
+                ms, n = gpu_verify_cost.verify_ms(args.dspec, args.target, w, 96,
+                                                  ["--verify", mode])
+                verify[f"{mode}:{w}"] = {"ms": ms, "steps": ms / step if ms and step else None}
+        rec["verify"] = verify
+        save()
+
+    peer = {}
+    if not args.skip_mlx_lm and dm is not None:
+        ids = [r["prompt_ids"] for r in dm["rows"]]
+        m = MlxLmPeer(args.target, args.draft)
+        greedy = m.make_sampler(temp=0.0)
+        peer["greedy"], _ = m.rate(ids, args.max_tokens, greedy)
+        peer["sampled"], _ = m.rate(ids, args.max_tokens, m.make_sampler(temp=0.7, top_p=0.9))
+        peer["speculative_k4"], peer["speculative_k4_tau"] = m.rate(
+            ids, args.max_tokens, greedy, m.draft, 4)
+        prefill_rows = (dm.get("prefill") or {}).get("rows", [])
+        peer["prefill"] = {}
+        for row in prefill_rows:
+            if row.get("prompt") is None:
+                n = row["prompt_tokens"]
+                synthetic = (sum(ids, []) * (n // max(len(sum(ids, [])), 1) + 1))[:n]
+                peer["prefill"][str(n)] = m.prefill(synthetic)
+        m.quantize()
+        peer["greedy_4bit"], _ = m.rate(ids, args.max_tokens, greedy)
+        rec["mlx_lm"] = peer
+        save()
+
+    limit = args.hbm_gbps * 1e9 / max(weight_bytes(args.target), 1)
+    rec["physical_limit_tokens_per_second"] = limit
+    save()
+    print_table(rec, peer, limit)
+
+
+def print_table(rec, peer, limit):
+    def f(x):
+        return f"{x:.1f}" if isinstance(x, (int, float)) else "-"
+
+    dm, ng, edit = rec.get("draft_model_auto"), rec.get("ngram_auto"), rec.get("ngram_edit_auto")
+    plain = dm["plain_tokens_per_second"] if dm else None
+    rows = [
+        ("greedy (bench)", plain, peer.get("greedy"), ""),
+        ("greedy (generate, one process per prompt)", rec.get("generate_greedy"), None, ""),
+        ("sampled T=0.7 top-p 0.9", rec.get("generate_sampled"), peer.get("sampled"),
+         f"{rec['generate_sampled'] / rec['generate_greedy']:.2f}x greedy"
+         if rec.get("generate_sampled") and rec.get("generate_greedy") else ""),
+        ("4-bit greedy", rec.get("generate_4bit"), peer.get("greedy_4bit"),
+         f"{rec['generate_4bit'] / rec['generate_greedy']:.2f}x bf16"
+         if rec.get("generate_4bit") and rec.get("generate_greedy") else ""),
+        ("draft model, --max-draft auto", dm and dm["speculative_tokens_per_second"],
+         peer.get("speculative_k4"),
+         f"tau {dm['tau']:.2f}, {dm['speedup']:.2f}x plain; mlx-lm k=4" if dm else ""),
+        ("n-gram, --max-draft auto", ng and ng["speculative_tokens_per_second"], None,
+         f"tau {ng['tau']:.2f}, {ng['speedup']:.2f}x plain" if ng else ""),
+        ("n-gram auto:16, long edit prompt", edit and edit["speculative_tokens_per_second"], None,
+         f"tau {edit['tau']:.2f}, {edit['speedup']:.2f}x its plain "
+         f"{edit['plain_tokens_per_second']:.1f}" if edit else ""),
+    ]
+    print(f"\ntarget {rec['target']}  draft {rec['draft']}  max tokens {rec['max_tokens']}")
+    print(f"physical limit of plain decoding: {limit:.0f} tok/s (weights once per token)")
+    print(f"{'line':<44} {'dspec':>8} {'mlx-lm':>8}  notes")
+    for name, a, b, note in rows:
+        print(f"{name:<44} {f(a):>8} {f(b):>8}  {note}")
+    for report, name in ((dm, "draft model"), (ng, "n-gram"), (edit, "n-gram edit")):
+        if report:
+            print(f"{name}: near-ties {report.get('near_ties')}, real mismatches "
+                  f"{report.get('real_mismatches')}")
+    for row in ((dm or {}).get("prefill") or {}).get("rows", []):
+        n = row["prompt_tokens"]
+        theirs = peer.get("prefill", {}).get(str(n))
+        print(f"prefill {n:>6} tokens: dspec {row['tokens_per_second']:.0f} tok/s warm "
+              f"(first call {row['first_call_seconds']:.2f} s)"
+              + (f", mlx-lm {theirs[0]:.0f} (first call {theirs[1]:.2f} s)" if theirs else ""))
+    v = rec.get("verify")
+    if v:
+        cells = "  ".join(f"{k} {x['ms']:.2f} ms = {x['steps']:.2f} steps"
+                          for k, x in v.items() if isinstance(x, dict) and x.get("ms"))
+        print(f"verify (one decode step {v['step_ms']:.2f} ms): {cells}")
+
+
+if __name__ == "__main__":
+    main()
