@@ -4,6 +4,7 @@
 //! its cache to what the target committed plus its own greedy continuation, and on a
 //! GPU drafts the next round while the target verifies this one.
 
+use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
@@ -40,14 +41,21 @@ impl DraftModelDrafter {
         })
     }
 
-    /// Pads a distribution over the draft vocabulary to the target's.
-    fn widen(&self, mut picked: Picked) -> Picked {
-        if let Some(probs) = picked.probs.as_mut() {
-            for p in probs {
-                p.resize(self.target_vocab, 0.0);
-            }
+    /// Pads distributions over the draft vocabulary to the target's (with zeros: the
+    /// draft model never proposes tokens past its own vocabulary).
+    fn widen(&self, mut picked: Picked) -> Result<Picked> {
+        if let Some(probs) = picked.probs.take() {
+            let shape = probs.shape();
+            let (rows, width) = (shape[0], shape[shape.len() - 1]);
+            let missing = self.target_vocab as i32 - width;
+            picked.probs = Some(if missing > 0 {
+                let pad = Array::zeros::<f32>(&[rows, missing])?;
+                concatenate(&[probs, pad], 1)?
+            } else {
+                probs
+            });
         }
-        picked
+        Ok(picked)
     }
 }
 
@@ -95,7 +103,7 @@ impl Drafter for DraftModelDrafter {
             let logits = self.thread.logits(committed, extra)?;
             let vocab = logits.len() as i32;
             let picked = picker.pick(&Array::from_slice(&logits, &[1, vocab]))?;
-            draft.extend(self.widen(picked));
+            draft.extend(self.widen(picked)?)?;
         }
         Ok(draft)
     }

@@ -149,7 +149,8 @@ pub fn prefill_with_taps(
     Ok((logits, hidden))
 }
 
-/// Logits `[1, vocab]` → host `f32` values for sampling.
+/// Logits → host `f32` values, row after row (references and tests: decoding itself
+/// samples on the device).
 pub fn logits_to_host(logits: &Array) -> Result<Vec<f32>, EngineError> {
     let row = logits.as_dtype(Dtype::Float32)?;
     row.eval()?;
@@ -159,22 +160,19 @@ pub fn logits_to_host(logits: &Array) -> Result<Vec<f32>, EngineError> {
         .to_vec())
 }
 
-/// Chooses the next token from `[1, vocab]` logits: on the device for greedy
-/// decoding (no host copy of the vocabulary), on the host for sampling.
+/// Chooses the next token from `[1, vocab]` logits, on the device either way: the
+/// token stays lazy, so the next step's graph can be built on it before it is known.
 enum Picker {
     Greedy,
     Sample(Box<Sampler>),
 }
 
 impl Picker {
-    /// Returns the token as a lazy `[1, 1]` array (greedy) or an evaluated one.
+    /// Returns the token as a lazy `[1, 1]` uint32 array.
     fn pick(&mut self, logits: &Array) -> Result<Array, EngineError> {
         match self {
             Picker::Greedy => Ok(argmax_axis(logits, -1, true)?.as_dtype(Dtype::Uint32)?),
-            Picker::Sample(sampler) => {
-                let id = sampler.sample(&logits_to_host(logits)?);
-                Ok(Array::from_slice(&[id], &[1, 1]))
-            }
+            Picker::Sample(sampler) => Ok(sampler.sample(logits)?.reshape(&[1, 1])?),
         }
     }
 }
@@ -291,10 +289,11 @@ pub fn generate(
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 
-    // Greedy decoding keeps two steps in flight: the graph of step n+2 is built and
-    // queued from step n+1's still-lazy token before the host waits for step n+1, so
-    // the device never idles while the host builds graphs or detokenizes. (A step
-    // queued past an EOS or a stop string is computed and dropped.)
+    // Decoding keeps two steps in flight: the graph of step n+2 is built and queued
+    // from step n+1's still-lazy token (greedy or sampled, it is picked on the device)
+    // before the host waits for step n+1, so the device never idles while the host
+    // builds graphs or detokenizes. (A step queued past an EOS or a stop string is
+    // computed and dropped.)
     let mut current_id = first_id;
     let mut queued: Option<Array> = None;
     let mut times = DecodeBreakdown::default();
@@ -322,7 +321,7 @@ pub fn generate(
         // Room for one more after `step`: queue it before waiting on `step`.
         let room =
             tokens.len() + 1 < config.max_tokens && prompt.len() + tokens.len() + 1 < context_limit;
-        if room && matches!(picker, Picker::Greedy) {
+        if room {
             queued = Some(queue_step(
                 model,
                 &mut cache,

@@ -7,24 +7,25 @@
 //! probability min(1, p(d)/q(d)) and the first rejection is replaced by a sample from
 //! max(0, p − q) renormalised (p: the target's processed distribution, q: the
 //! drafter's, one-hot for drafters without one), so the output has exactly the
-//! target's distribution.
+//! target's distribution. Acceptance runs on the device ([`crate::acceptance`]): a
+//! round reads back only the kept count and the target's token.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
-use mlx_rs::{Array, Dtype};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::softmax_axis;
+use mlx_rs::Array;
 use serde::Serialize;
 
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{Draft, Drafter, ModelError, Picked, TargetModel, TokenPicker};
+use dspec_plugin_api::{Drafter, ModelError, Picked, TargetModel, TokenPicker};
 
+use crate::acceptance::{accept_greedy, accept_sampled, argmax_all, Accepted};
 use crate::draft_length::DraftLength;
 use crate::error::EngineError;
-use crate::generate::{
-    logits_to_host, prefill_with_taps, GenerationConfig, GenerationStats, StopReason, TextSink,
-};
-use crate::sampling::{probabilities, Sampler, SamplingParams};
+use crate::generate::{prefill_with_taps, GenerationConfig, GenerationStats, StopReason, TextSink};
+use crate::sampling::Sampler;
 use crate::tokenizer::TextTokenizer;
 
 /// How well drafting went.
@@ -53,28 +54,9 @@ pub struct SpeculativeOutput {
     pub speculative: SpeculativeStats,
 }
 
-/// Argmax of every position of `[.., V]` logits, on the host (one sync for all rows).
-fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
-    let ids = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
-    ids.eval()?;
-    Ok(ids
-        .try_as_slice::<u32>()
-        .map_err(|e| EngineError::Mlx(e.to_string()))?
-        .to_vec())
-}
-
-/// Every row of `[.., V]` logits as the processed distribution `params` samples from.
-fn distributions(logits: &Array, params: &SamplingParams) -> Result<Vec<Vec<f32>>, EngineError> {
-    let vocab = logits.shape().last().copied().unwrap_or(0).max(1) as usize;
-    let host = logits_to_host(logits)?;
-    Ok(host
-        .chunks(vocab)
-        .map(|row| probabilities(row, params))
-        .collect())
-}
-
 /// The engine's [`TokenPicker`]: argmax on the device under greedy decoding, else a
-/// sample from the same processed distribution the target is sampled from.
+/// draw from the same processed distribution the target is sampled from, whose rows
+/// stay on the device as the drafter's q.
 struct EnginePicker<'a> {
     sampler: Option<&'a mut Sampler>,
 }
@@ -86,78 +68,27 @@ impl TokenPicker for EnginePicker<'_> {
 
     fn pick(&mut self, logits: &Array) -> ModelResult<Picked> {
         let to_model = |e: EngineError| ModelError::Unsupported(e.to_string());
+        let vocab = logits.shape().last().copied().unwrap_or(0);
+        let rows = logits.reshape(&[-1, vocab])?;
         match self.sampler.as_deref_mut() {
             None => Ok(Picked {
-                tokens: argmax_all(logits).map_err(to_model)?,
+                tokens: argmax_all(&rows).map_err(to_model)?,
                 probs: None,
             }),
             Some(sampler) => {
-                let probs = distributions(logits, sampler.params()).map_err(to_model)?;
-                let tokens = probs.iter().map(|p| sampler.sample_from(p)).collect();
+                let processed = sampler.process(&rows).map_err(to_model)?;
+                let tokens = sampler.draw(&processed).map_err(to_model)?;
+                tokens.eval()?;
                 Ok(Picked {
-                    tokens,
-                    probs: Some(probs),
+                    tokens: tokens
+                        .try_as_slice::<u32>()
+                        .map_err(|e| ModelError::Unsupported(e.to_string()))?
+                        .to_vec(),
+                    probs: Some(softmax_axis(&processed, -1, true)?),
                 })
             }
         }
     }
-}
-
-/// Lossless acceptance of `draft` against the target's `logits` over `[last, d1..dk]`:
-/// returns how many drafts are kept and the token the target adds after them.
-fn accept(
-    logits: &Array,
-    draft: &Draft,
-    sampler: Option<&mut Sampler>,
-) -> Result<(usize, u32), EngineError> {
-    let Some(sampler) = sampler else {
-        // Greedy: the longest prefix equal to the target's argmax, then its argmax.
-        let target = argmax_all(logits)?;
-        let accepted = draft
-            .tokens
-            .iter()
-            .zip(&target)
-            .take_while(|(d, t)| d == t)
-            .count();
-        return Ok((accepted, target[accepted]));
-    };
-    let p = distributions(logits, sampler.params())?;
-    for (i, &d) in draft.tokens.iter().enumerate() {
-        let (p, at) = (&p[i], d as usize);
-        // The drafter's q at this position; one-hot at `d` when it has none (or when its
-        // q gives its own token no mass, which only a broken drafter does).
-        let q = draft
-            .probs
-            .as_ref()
-            .and_then(|q| q.get(i))
-            .filter(|q| q.len() == p.len() && q.get(at).is_some_and(|&x| x > 0.0));
-        let pd = f64::from(p.get(at).copied().unwrap_or(0.0));
-        let qd = q.map_or(1.0, |q| f64::from(q[at]));
-        // Accept d with probability min(1, p(d)/q(d)).
-        if sampler.uniform() * qd < pd {
-            continue;
-        }
-        // Rejected: the target's token comes from the residual max(0, p − q); for a
-        // one-hot q that is p without d.
-        let residual: Vec<f32> = match q {
-            Some(q) => p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect(),
-            None => {
-                let mut r = p.clone();
-                if let Some(x) = r.get_mut(at) {
-                    *x = 0.0;
-                }
-                r
-            }
-        };
-        let token = if residual.iter().any(|&r| r > 0.0) {
-            sampler.sample_from(&residual)
-        } else {
-            sampler.sample_from(p)
-        };
-        return Ok((i, token));
-    }
-    let bonus = sampler.sample_from(&p[draft.tokens.len()]);
-    Ok((draft.tokens.len(), bonus))
 }
 
 /// One line of `--trace`: what a round drafted and what the target kept.
@@ -256,7 +187,10 @@ pub fn generate_speculative(
     let (logits, prompt_hidden) = prefill_with_taps(model, &mut cache, prompt, &taps)?;
     let mut last = match sampler.as_mut() {
         None => argmax_all(&logits)?[0],
-        Some(s) => s.sample(&logits_to_host(&logits)?),
+        Some(s) => s
+            .sample(&logits)?
+            .try_item_cast::<u32>()
+            .map_err(|e| EngineError::Mlx(e.to_string()))?,
     };
     // The drafter reads the prompt too (a draft model prefills its own cache): that is
     // prompt processing, timed with the target's, as mlx-lm times its draft model's.
@@ -285,10 +219,7 @@ pub fn generate_speculative(
         )?;
         let draft_elapsed = t.elapsed();
         draft_time += draft_elapsed;
-        draft.tokens.truncate(k);
-        if let Some(probs) = draft.probs.as_mut() {
-            probs.truncate(draft.tokens.len());
-        }
+        draft.truncate(k)?;
 
         let t = Instant::now();
         let mut input = Vec::with_capacity(1 + draft.tokens.len());
@@ -299,7 +230,14 @@ pub fn generate_speculative(
             &mut cache,
             &taps,
         )?;
-        let (accepted, next) = accept(&out.logits, &draft, sampler.as_mut())?;
+        let logits = out.logits.try_index(0)?;
+        let Accepted {
+            drafts: accepted,
+            token: next,
+        } = match sampler.as_mut() {
+            None => accept_greedy(&logits, &draft.tokens)?,
+            Some(s) => accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?,
+        };
         let verify_elapsed = t.elapsed();
         length.observe(
             draft.tokens.len(),

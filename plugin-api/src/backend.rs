@@ -59,7 +59,6 @@ impl Backend {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,9 +18,8 @@ pub mod weights;
 
 pub use cache::{ExternalCache, KvCache, ModelCache};
 pub use drafter::{
-    DraftAhead,
-    detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Draft, Drafter, DrafterLoadRequest,
-    DrafterOptions, DrafterRegistration, Picked, TokenPicker,
+    detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Draft, DraftAhead, Drafter,
+    DrafterLoadRequest, DrafterOptions, DrafterRegistration, Picked, TokenPicker,
 };
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
