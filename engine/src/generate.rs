@@ -160,21 +160,17 @@ pub fn logits_to_host(logits: &Array) -> Result<Vec<f32>, EngineError> {
         .to_vec())
 }
 
-/// Chooses the next token from `[1, vocab]` logits, on the device either way: the
-/// token stays lazy, so the next step's graph can be built on it before it is known.
-enum Picker {
-    Greedy,
-    Sample(Box<Sampler>),
-}
-
-impl Picker {
-    /// Returns the token as a lazy `[1, 1]` uint32 array.
-    fn pick(&mut self, logits: &Array) -> Result<Array, EngineError> {
-        match self {
-            Picker::Greedy => Ok(argmax_axis(logits, -1, true)?.as_dtype(Dtype::Uint32)?),
-            Picker::Sample(sampler) => Ok(sampler.sample(logits)?.reshape(&[1, 1])?),
-        }
-    }
+/// The next token from `[1, vocab]` logits as a lazy `[1, 1]` uint32 array: the argmax
+/// without a sampler, else a draw. On the device either way, so the next step's graph
+/// can be built on the token before it is known.
+pub(crate) fn pick_next(
+    sampler: Option<&mut Sampler>,
+    logits: &Array,
+) -> Result<Array, EngineError> {
+    Ok(match sampler {
+        None => argmax_axis(logits, -1, true)?.as_dtype(Dtype::Uint32)?,
+        Some(sampler) => sampler.sample(logits)?.reshape(&[1, 1])?,
+    })
 }
 
 /// Builds and queues the forward that follows `token` (`[1, 1]`, possibly still lazy);
@@ -183,7 +179,7 @@ fn queue_step(
     model: &dyn TargetModel,
     cache: &mut ModelCache,
     token: &Array,
-    picker: &mut Picker,
+    sampler: Option<&mut Sampler>,
     times: &mut DecodeBreakdown,
 ) -> Result<Array, EngineError> {
     let start = Instant::now();
@@ -191,7 +187,7 @@ fn queue_step(
         .forward(token, cache, &[])?
         .logits
         .try_index((.., -1, ..))?;
-    let picked = picker.pick(&logits)?;
+    let picked = pick_next(sampler, &logits)?;
     let built = Instant::now();
     async_eval([&picked])?;
     times.building_seconds += (built - start).as_secs_f64();
@@ -199,7 +195,7 @@ fn queue_step(
     Ok(picked)
 }
 
-fn token_value(token: &Array) -> Result<u32, EngineError> {
+pub(crate) fn token_value(token: &Array) -> Result<u32, EngineError> {
     token
         .try_item_cast::<u32>()
         .map_err(|e| EngineError::Mlx(e.to_string()))
@@ -274,17 +270,13 @@ pub fn generate(
             limit: context_limit,
         });
     }
-    let mut picker = if config.sampling.is_greedy() {
-        Picker::Greedy
-    } else {
-        Picker::Sample(Box::new(Sampler::new(config.sampling.clone())))
-    };
+    let mut sampler = (!config.sampling.is_greedy()).then(|| Sampler::new(config.sampling.clone()));
     let mut sink = TextSink::new(tokenizer, &config.stop_strings, on_text);
     let mut cache = model.new_cache();
     let mut tokens = Vec::new();
 
     let start = Instant::now();
-    let mut next = picker.pick(&prefill(model, &mut cache, prompt)?)?;
+    let mut next = pick_next(sampler.as_mut(), &prefill(model, &mut cache, prompt)?)?;
     let first_id = token_value(&next)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
@@ -316,7 +308,7 @@ pub fn generate(
         }
         let step = match queued.take() {
             Some(token) => token,
-            None => queue_step(model, &mut cache, &next, &mut picker, &mut times)?,
+            None => queue_step(model, &mut cache, &next, sampler.as_mut(), &mut times)?,
         };
         // Room for one more after `step`: queue it before waiting on `step`.
         let room =
@@ -326,7 +318,7 @@ pub fn generate(
                 model,
                 &mut cache,
                 &step,
-                &mut picker,
+                sampler.as_mut(),
                 &mut times,
             )?);
         }

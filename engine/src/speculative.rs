@@ -14,17 +14,21 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::softmax_axis;
+use mlx_rs::ops::{concatenate, softmax_axis};
+use mlx_rs::transforms::async_eval;
 use mlx_rs::Array;
 use serde::Serialize;
 
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{Drafter, ModelError, Picked, TargetModel, TokenPicker};
+use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
 use crate::acceptance::{accept_greedy, accept_sampled, argmax_all, Accepted};
 use crate::draft_length::DraftLength;
 use crate::error::EngineError;
-use crate::generate::{prefill_with_taps, GenerationConfig, GenerationStats, StopReason, TextSink};
+use crate::generate::{
+    pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
+    TextSink,
+};
 use crate::sampling::Sampler;
 use crate::tokenizer::TextTokenizer;
 
@@ -40,6 +44,10 @@ pub struct SpeculativeStats {
     pub tau: f64,
     /// `acceptance_histogram[a]`: rounds in which exactly `a` drafts were accepted.
     pub acceptance_histogram: Vec<usize>,
+    /// `draft_histogram[k]`: rounds that drafted `k` tokens; `[0]` counts the rounds
+    /// without drafts, run as plain decoding steps (`--max-draft auto` when drafts do
+    /// not pay, and a last token with no room for drafts).
+    pub draft_histogram: Vec<usize>,
     /// Share of decode time the engine spent waiting on the drafter (a draft model
     /// drafting ahead on its own thread works while the target verifies: that part is
     /// not counted).
@@ -145,8 +153,247 @@ impl Committer<'_> {
     }
 }
 
+/// Counts of what the rounds did, for [`SpeculativeStats`].
+struct Tally {
+    forwards: usize,
+    drafted: usize,
+    accepted: usize,
+    /// Rounds by drafts accepted.
+    accepted_histogram: Vec<usize>,
+    /// Rounds by tokens drafted (`[0]`: rounds run as plain decoding steps).
+    drafted_histogram: Vec<usize>,
+    draft_time: Duration,
+}
+
+impl Tally {
+    fn new(max_draft: usize) -> Self {
+        Self {
+            forwards: 0,
+            drafted: 0,
+            accepted: 0,
+            accepted_histogram: vec![0; max_draft + 1],
+            drafted_histogram: vec![0; max_draft + 1],
+            draft_time: Duration::ZERO,
+        }
+    }
+
+    fn round(&mut self, drafted: usize, accepted: usize) {
+        self.forwards += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+        self.accepted_histogram[accepted] += 1;
+        self.drafted_histogram[drafted] += 1;
+    }
+}
+
+/// A plain decoding step in flight: its token (`[1, 1]`, lazy) and the target's hidden
+/// states at the position it fed, when the drafter taps them.
+struct PlainStep {
+    token: Array,
+    hidden: Option<Array>,
+}
+
+/// The state of a speculative generation between rounds.
+struct Rounds<'a, 't> {
+    model: &'a dyn TargetModel,
+    cache: ModelCache,
+    taps: Vec<usize>,
+    drafter: &'a mut dyn Drafter,
+    sampler: Option<Sampler>,
+    length: DraftLength,
+    committer: Committer<'a>,
+    trace: Option<&'t mut dyn Write>,
+    tally: Tally,
+    /// The newest committed token, not yet fed to the target.
+    last: u32,
+}
+
+impl Rounds<'_, '_> {
+    /// Tokens that may still be committed (at least 1 while generation goes on).
+    fn room(&self) -> usize {
+        let done = self.committer.tokens.len();
+        (self.committer.config.max_tokens - done).min(self.committer.context_left - done)
+    }
+
+    /// Drafts to ask for next: `planned` (chosen ahead by a plain run) or the
+    /// controller's choice, never past what may still be committed.
+    fn draft_length(&self, planned: Option<usize>) -> usize {
+        let limit = self.room().saturating_sub(1);
+        planned.map_or_else(|| self.length.next(limit), |k| k.min(limit))
+    }
+
+    fn write_trace(&mut self, line: RoundTrace) -> Result<(), EngineError> {
+        if let Some(out) = self.trace.as_deref_mut() {
+            serde_json::to_writer(&mut *out, &line)
+                .map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
+            writeln!(out).map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// One round of `k ≥ 1` drafts: propose, verify `[last, drafts]` in one forward,
+    /// accept, trim, tell the drafter. Returns the stop reason when generation ends.
+    fn draft_round(&mut self, k: usize) -> Result<Option<StopReason>, EngineError> {
+        let t = Instant::now();
+        let mut draft = self.drafter.propose(
+            self.model,
+            self.last,
+            k,
+            &mut EnginePicker {
+                sampler: self.sampler.as_mut(),
+            },
+        )?;
+        let draft_elapsed = t.elapsed();
+        self.tally.draft_time += draft_elapsed;
+        draft.truncate(k)?;
+
+        let t = Instant::now();
+        let mut input = Vec::with_capacity(1 + draft.tokens.len());
+        input.push(self.last);
+        input.extend_from_slice(&draft.tokens);
+        let out = self.model.forward(
+            &Array::from_slice(&input, &[1, input.len() as i32]),
+            &mut self.cache,
+            &self.taps,
+        )?;
+        let logits = out.logits.try_index(0)?;
+        let Accepted {
+            drafts: accepted,
+            token: next,
+        } = match self.sampler.as_mut() {
+            None => accept_greedy(&logits, &draft.tokens)?,
+            Some(s) => accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?,
+        };
+        let verify_elapsed = t.elapsed();
+        self.cache.trim(draft.tokens.len() - accepted);
+        let hidden = match &out.hidden {
+            Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
+            None => None,
+        };
+        self.drafter
+            .commit(&input[..1 + accepted], hidden.as_ref())?;
+        self.write_trace(RoundTrace {
+            round: self.tally.forwards,
+            position: self.committer.tokens.len(),
+            drafted: draft.tokens.clone(),
+            accepted,
+            target_token: next,
+            draft_ms: draft_elapsed.as_secs_f64() * 1e3,
+            verify_ms: verify_elapsed.as_secs_f64() * 1e3,
+        })?;
+        self.tally.round(draft.tokens.len(), accepted);
+
+        self.last = next;
+        let mut stop = None;
+        for &token in draft.tokens[..accepted].iter().chain([&next]) {
+            stop = self.committer.push(token)?;
+            if stop.is_some() {
+                break;
+            }
+        }
+        // The controller weighs whole rounds: from the verify to the next round, the
+        // drafter's and the text's bookkeeping included, as a plain step is timed from
+        // token to token.
+        self.length.observe(
+            draft.tokens.len(),
+            accepted,
+            draft_elapsed.as_secs_f64(),
+            t.elapsed().as_secs_f64(),
+        );
+        Ok(stop)
+    }
+
+    /// Builds and queues the plain step that feeds `token` (possibly still lazy).
+    fn queue_plain(&mut self, token: &Array) -> Result<PlainStep, EngineError> {
+        let out = self.model.forward(token, &mut self.cache, &self.taps)?;
+        let logits = out.logits.try_index((.., -1, ..))?;
+        let token = pick_next(self.sampler.as_mut(), &logits)?;
+        async_eval(std::iter::once(&token).chain(out.hidden.iter()))?;
+        Ok(PlainStep {
+            token,
+            hidden: out.hidden,
+        })
+    }
+
+    /// Rounds without drafts, run as plain decoding for as long as the controller
+    /// chooses none: two steps in flight (the next step's graph is built on the still
+    /// lazy token, as [`crate::generate::generate`] does), one token read per step, and
+    /// no drafter work per step: the drafter is asked for no drafts once, and hears of
+    /// every position the run fed in one `commit` at its end. Each step is a round to
+    /// the controller, timed from token to token, so rounds without drafts are measured
+    /// at plain decoding's pipelined speed and its probes keep coming. Returns the stop
+    /// reason when generation ends, else the draft length chosen for the next round.
+    fn plain_run(&mut self) -> Result<(Option<StopReason>, Option<usize>), EngineError> {
+        let t = Instant::now();
+        self.drafter.propose(
+            self.model,
+            self.last,
+            0,
+            &mut EnginePicker {
+                sampler: self.sampler.as_mut(),
+            },
+        )?;
+        self.tally.draft_time += t.elapsed();
+        let mut fed = vec![self.last];
+        let mut hidden = Vec::new();
+        let mut current = self.queue_plain(&Array::from_slice(&[self.last], &[1, 1]))?;
+        let mut since = Instant::now();
+        let outcome = loop {
+            // Chosen before this step is read or observed (the price of keeping two
+            // steps in flight): the round after it, when there is room for one.
+            let room_after = self.room() - 1;
+            let next_k = (room_after > 0).then(|| self.length.next(room_after - 1));
+            let queued = match next_k {
+                Some(0) => Some(self.queue_plain(&current.token)?),
+                _ => None,
+            };
+            let token = token_value(&current.token)?;
+            let seconds = since.elapsed().as_secs_f64();
+            since = Instant::now();
+            self.length.observe(0, 0, 0.0, seconds);
+            self.write_trace(RoundTrace {
+                round: self.tally.forwards,
+                position: self.committer.tokens.len(),
+                drafted: Vec::new(),
+                accepted: 0,
+                target_token: token,
+                draft_ms: 0.0,
+                verify_ms: seconds * 1e3,
+            })?;
+            self.tally.round(0, 0);
+            hidden.extend(current.hidden.take());
+            self.last = token;
+            let stop = self.committer.push(token)?;
+            match (stop, queued) {
+                (Some(stop), queued) => {
+                    // A step queued past the end: let it finish, so nothing is in
+                    // flight when generation returns.
+                    if let Some(step) = queued {
+                        step.token.eval()?;
+                    }
+                    break (Some(stop), None);
+                }
+                (None, Some(step)) => {
+                    fed.push(token);
+                    current = step;
+                }
+                (None, None) => break (None, next_k),
+            }
+        };
+        let hidden = match hidden.len() {
+            0 => None,
+            1 => hidden.pop(),
+            _ => Some(concatenate(&hidden, 1)?),
+        };
+        self.drafter.commit(&fed, hidden.as_ref())?;
+        Ok(outcome)
+    }
+}
+
 /// Speculative generation: greedy or sampled as `config.sampling` says, lossless
-/// either way.
+/// either way. Rounds for which the draft-length controller chooses no drafts run as
+/// plain decoding (see [`Rounds::plain_run`]), so `--max-draft auto` with drafts that
+/// do not pay decodes at plain decoding's speed.
 pub fn generate_speculative(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
@@ -159,7 +406,7 @@ pub fn generate_speculative(
         drafter,
         max_draft,
         adaptive,
-        mut trace,
+        trace,
     } = speculation;
     if max_draft == 0 {
         return Err(EngineError::Invalid(
@@ -185,102 +432,39 @@ pub fn generate_speculative(
 
     let start = Instant::now();
     let (logits, prompt_hidden) = prefill_with_taps(model, &mut cache, prompt, &taps)?;
-    let mut last = match sampler.as_mut() {
-        None => argmax_all(&logits)?[0],
-        Some(s) => s
-            .sample(&logits)?
-            .try_item_cast::<u32>()
-            .map_err(|e| EngineError::Mlx(e.to_string()))?,
-    };
+    let last = token_value(&pick_next(sampler.as_mut(), &logits)?)?;
     // The drafter reads the prompt too (a draft model prefills its own cache): that is
     // prompt processing, timed with the target's, as mlx-lm times its draft model's.
     drafter.begin(model, prompt, prompt_hidden.as_ref())?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 
-    let mut draft_time = Duration::ZERO;
-    let mut histogram = vec![0usize; max_draft + 1];
-    let mut length = DraftLength::new(max_draft, adaptive);
-    let (mut forwards, mut drafted, mut accepted_total) = (0usize, 0usize, 0usize);
     let mut stop = committer.push(last)?;
+    let mut rounds = Rounds {
+        model,
+        cache,
+        taps,
+        drafter,
+        sampler,
+        length: DraftLength::new(max_draft, adaptive),
+        committer,
+        trace,
+        tally: Tally::new(max_draft),
+        last,
+    };
+    let mut planned = None;
     while stop.is_none() {
-        // Never draft past what may still be committed.
-        let room = (config.max_tokens - committer.tokens.len())
-            .min(committer.context_left - committer.tokens.len());
-        let k = length.next(room.saturating_sub(1));
-        let t = Instant::now();
-        let mut draft = drafter.propose(
-            model,
-            last,
-            k,
-            &mut EnginePicker {
-                sampler: sampler.as_mut(),
-            },
-        )?;
-        let draft_elapsed = t.elapsed();
-        draft_time += draft_elapsed;
-        draft.truncate(k)?;
-
-        let t = Instant::now();
-        let mut input = Vec::with_capacity(1 + draft.tokens.len());
-        input.push(last);
-        input.extend_from_slice(&draft.tokens);
-        let out = model.forward(
-            &Array::from_slice(&input, &[1, input.len() as i32]),
-            &mut cache,
-            &taps,
-        )?;
-        let logits = out.logits.try_index(0)?;
-        let Accepted {
-            drafts: accepted,
-            token: next,
-        } = match sampler.as_mut() {
-            None => accept_greedy(&logits, &draft.tokens)?,
-            Some(s) => accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?,
-        };
-        let verify_elapsed = t.elapsed();
-        length.observe(
-            draft.tokens.len(),
-            accepted,
-            draft_elapsed.as_secs_f64(),
-            verify_elapsed.as_secs_f64(),
-        );
-        cache.trim(draft.tokens.len() - accepted);
-        let hidden = match &out.hidden {
-            Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
-            None => None,
-        };
-        drafter.commit(&input[..1 + accepted], hidden.as_ref())?;
-        if let Some(out) = trace.as_deref_mut() {
-            let line = RoundTrace {
-                round: forwards,
-                position: committer.tokens.len(),
-                drafted: draft.tokens.clone(),
-                accepted,
-                target_token: next,
-                draft_ms: draft_elapsed.as_secs_f64() * 1e3,
-                verify_ms: verify_elapsed.as_secs_f64() * 1e3,
-            };
-            serde_json::to_writer(&mut *out, &line)
-                .map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
-            writeln!(out).map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
-        }
-        forwards += 1;
-        drafted += draft.tokens.len();
-        accepted_total += accepted;
-        histogram[accepted] += 1;
-
-        last = next;
-        for &token in draft.tokens[..accepted]
-            .iter()
-            .chain(std::iter::once(&last))
-        {
-            stop = committer.push(token)?;
-            if stop.is_some() {
-                break;
-            }
+        match rounds.draft_length(planned.take()) {
+            0 => (stop, planned) = rounds.plain_run()?,
+            k => stop = rounds.draft_round(k)?,
         }
     }
+    let Rounds {
+        drafter,
+        mut committer,
+        tally,
+        ..
+    } = rounds;
     let stop_reason = stop.unwrap_or(StopReason::MaxTokens);
     committer
         .sink
@@ -295,12 +479,13 @@ pub fn generate_speculative(
     );
     let speculative = SpeculativeStats {
         drafter: drafter.name().to_string(),
-        target_forwards: forwards,
-        drafted_tokens: drafted,
-        accepted_tokens: accepted_total,
-        tau: (accepted_total + forwards) as f64 / forwards.max(1) as f64,
-        acceptance_histogram: histogram,
-        draft_time_share: draft_time.as_secs_f64() / decode_seconds.max(1e-9),
+        target_forwards: tally.forwards,
+        drafted_tokens: tally.drafted,
+        accepted_tokens: tally.accepted,
+        tau: (tally.accepted + tally.forwards) as f64 / tally.forwards.max(1) as f64,
+        acceptance_histogram: tally.accepted_histogram,
+        draft_histogram: tally.drafted_histogram,
+        draft_time_share: tally.draft_time.as_secs_f64() / decode_seconds.max(1e-9),
     };
     Ok(SpeculativeOutput {
         text: committer.sink.text,

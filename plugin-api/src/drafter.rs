@@ -108,6 +108,11 @@ pub trait Drafter: Send {
     /// round, `[last, accepted drafts…]` (now in its cache), and `hidden` the target's
     /// states at exactly those positions when taps are declared. The target's own next
     /// token is not among them: it arrives as `last` of the next `propose`.
+    ///
+    /// A `propose` with `max_k` 0 starts rounds without drafts: the engine then decodes
+    /// plainly for as long as drafts do not pay, and the positions of all those steps
+    /// arrive in the one `commit` that follows, `[last, t1, t2, …]`, so a drafter does
+    /// no work per plain step.
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()>;
 }
 
@@ -266,7 +271,9 @@ mod tests {
     fn distributions_stay_aligned_with_their_tokens() {
         let mut draft = Draft::default();
         draft.extend(picked(&[1], Some(&[0.25, 0.75]))).unwrap();
-        draft.extend(picked(&[0, 1], Some(&[0.5, 0.5, 0.0, 1.0]))).unwrap();
+        draft
+            .extend(picked(&[0, 1], Some(&[0.5, 0.5, 0.0, 1.0])))
+            .unwrap();
         assert_eq!(draft.tokens, [1, 0, 1]);
         assert_eq!(rows(&draft), [0.25, 0.75, 0.5, 0.5, 0.0, 1.0]);
         draft.truncate(2).unwrap();
