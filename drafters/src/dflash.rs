@@ -461,7 +461,7 @@ impl Drafter for DFlashDrafter {
         let logits = target.lm_head(&self.net.norm.forward(&drafts)?)?;
         let vocab = logits.shape().last().copied().unwrap_or(0);
         let mut draft = Draft::default();
-        draft.extend(picker.pick(&logits.reshape(&[wanted as i32, vocab])?)?);
+        draft.extend(picker.pick(&logits.reshape(&[wanted as i32, vocab])?)?)?;
         Ok(draft)
     }
 

@@ -4,6 +4,7 @@
 //! its cache to what the target committed plus its own greedy continuation, and on a
 //! GPU drafts the next round while the target verifies this one.
 
+use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
@@ -20,6 +21,10 @@ pub struct DraftModelDrafter {
     thread: DraftThread,
     /// Committed tokens the thread has not been told about yet.
     unsent: Vec<u32>,
+    /// Whether the last `propose` sent its `last` to the thread: then it opens the next
+    /// `commit`, already sent. A propose of no drafts sends nothing, and the commit after
+    /// it (plain steps, maybe many) is all unsent.
+    sent_last: bool,
     /// The target's vocabulary size: logits are cut to it (a draft model may pad its
     /// vocabulary differently) and distributions are padded to it.
     target_vocab: usize,
@@ -36,18 +41,26 @@ impl DraftModelDrafter {
         Ok(Self {
             thread: DraftThread::spawn(model, target_vocab, ahead)?,
             unsent: Vec::new(),
+            sent_last: false,
             target_vocab,
         })
     }
 
-    /// Pads a distribution over the draft vocabulary to the target's.
-    fn widen(&self, mut picked: Picked) -> Picked {
-        if let Some(probs) = picked.probs.as_mut() {
-            for p in probs {
-                p.resize(self.target_vocab, 0.0);
-            }
+    /// Pads distributions over the draft vocabulary to the target's (with zeros: the
+    /// draft model never proposes tokens past its own vocabulary).
+    fn widen(&self, mut picked: Picked) -> Result<Picked> {
+        if let Some(probs) = picked.probs.take() {
+            let shape = probs.shape();
+            let (rows, width) = (shape[0], shape[shape.len() - 1]);
+            let missing = self.target_vocab as i32 - width;
+            picked.probs = Some(if missing > 0 {
+                let pad = Array::zeros::<f32>(&[rows, missing])?;
+                concatenate(&[probs, pad], 1)?
+            } else {
+                probs
+            });
         }
-        picked
+        Ok(picked)
     }
 }
 
@@ -63,6 +76,7 @@ impl Drafter for DraftModelDrafter {
         _hidden: Option<&Array>,
     ) -> Result<()> {
         self.unsent.clear();
+        self.sent_last = false;
         // The draft model reads the prompt on its thread; the first `propose` waits.
         self.thread.begin(prompt)
     }
@@ -80,6 +94,7 @@ impl Drafter for DraftModelDrafter {
         }
         let mut committed = std::mem::take(&mut self.unsent);
         committed.push(last);
+        self.sent_last = true;
         if picker.is_greedy() {
             draft.tokens = self.thread.draft(committed, max_k)?.tokens;
             return Ok(draft);
@@ -95,15 +110,16 @@ impl Drafter for DraftModelDrafter {
             let logits = self.thread.logits(committed, extra)?;
             let vocab = logits.len() as i32;
             let picked = picker.pick(&Array::from_slice(&logits, &[1, vocab]))?;
-            draft.extend(self.widen(picked));
+            draft.extend(self.widen(picked)?)?;
         }
         Ok(draft)
     }
 
     fn commit(&mut self, verified: &[u32], _hidden: Option<&Array>) -> Result<()> {
-        // `verified[0]` is the `last` of the round, already sent with it.
+        // After a propose, `verified[0]` is the `last` it sent.
+        let sent = usize::from(std::mem::take(&mut self.sent_last));
         self.unsent
-            .extend_from_slice(verified.get(1..).unwrap_or_default());
+            .extend_from_slice(verified.get(sent..).unwrap_or_default());
         Ok(())
     }
 }
@@ -136,5 +152,59 @@ inventory::submit! {
         detect: |_| false,
         by_name: false,
         load,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dspec_adapters::fixtures::{load_dir, write_random_model, TINY_LLAMA};
+    use dspec_plugin_api::{LoadOptions, ModelError};
+
+    /// Greedy drafting never asks the picker: the draft thread takes the argmax.
+    struct Greedy;
+    impl TokenPicker for Greedy {
+        fn is_greedy(&self) -> bool {
+            true
+        }
+        fn pick(&mut self, _logits: &Array) -> Result<Picked> {
+            Err(ModelError::Unsupported(
+                "greedy drafts take no picks".into(),
+            ))
+        }
+    }
+
+    /// Rounds without drafts reach the drafter as a propose of none and one commit of
+    /// every plain step's position: its first position must reach the model too, so the
+    /// drafts after it are those of a drafter that saw the whole sequence from the start.
+    #[test]
+    fn a_commit_after_a_propose_of_no_drafts_keeps_its_first_position() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
+        let load = || load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        let target = load();
+        let t = target.as_ref();
+        let drafter = || DraftModelDrafter::new(load(), 97, DraftAhead::Off).expect("spawn");
+
+        let (mut batched, mut fresh) = (drafter(), drafter());
+        batched.begin(t, &[3, 14, 15], None).unwrap();
+        assert!(batched
+            .propose(t, 92, 0, &mut Greedy)
+            .unwrap()
+            .tokens
+            .is_empty());
+        batched.commit(&[92, 65, 35], None).unwrap();
+        fresh.begin(t, &[3, 14, 15, 92, 65, 35], None).unwrap();
+        let drafts = batched.propose(t, 89, 4, &mut Greedy).unwrap().tokens;
+        assert_eq!(drafts, fresh.propose(t, 89, 4, &mut Greedy).unwrap().tokens);
+        // After a propose, a commit opens with the `last` it sent.
+        for d in [&mut batched, &mut fresh] {
+            d.commit(&[89, drafts[0]], None).unwrap();
+        }
+        let next = (drafts[1] + 1) % 97;
+        assert_eq!(
+            batched.propose(t, next, 3, &mut Greedy).unwrap().tokens,
+            fresh.propose(t, next, 3, &mut Greedy).unwrap().tokens
+        );
     }
 }

@@ -595,7 +595,7 @@ impl Drafter for DSparkDrafter {
             let token = *picked.tokens.first().ok_or_else(|| {
                 ModelError::Unsupported("token picker returned no token for a row".into())
             })?;
-            draft.extend(picked);
+            draft.extend(picked)?;
             prev.push(token);
         }
         if let Some(threshold) = self.confidence_threshold {
@@ -607,10 +607,7 @@ impl Drafter for DSparkDrafter {
                     .skip(1)
                     .position(|&c| c < threshold)
                     .map_or(k, |i| i + 1);
-                draft.tokens.truncate(keep);
-                if let Some(probs) = draft.probs.as_mut() {
-                    probs.truncate(keep);
-                }
+                draft.truncate(keep)?;
             }
         }
         Ok(draft)

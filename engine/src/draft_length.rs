@@ -117,6 +117,8 @@ impl DraftLength {
     }
 
     /// Drafts to ask for this round, at most `limit` (what may still be committed).
+    /// Plain decoding steps (rounds of no drafts) ask one round ahead, before the round
+    /// in flight is observed: the choice then lags one observation behind.
     pub fn next(&self, limit: usize) -> usize {
         let cap = self.max.min(limit);
         if !self.adaptive || self.rounds < WARMUP_ROUNDS {
@@ -126,7 +128,7 @@ impl DraftLength {
             .filter_map(|k| self.rate(k).map(|r| (k, r)))
             .max_by(|a, b| a.1.total_cmp(&b.1))
             .map_or(cap, |(k, _)| k);
-        if self.rounds % PROBE_EVERY != 0 {
+        if !self.rounds.is_multiple_of(PROBE_EVERY) {
             return best;
         }
         // A probe: one step up when there is room (k = 0 becomes 1, so α stays
@@ -171,6 +173,19 @@ mod tests {
         draft_s: f64,
         verify: impl Fn(usize) -> f64,
     ) -> Vec<usize> {
+        simulate_ahead(max, rounds, alpha, draft_s, verify, false)
+    }
+
+    /// As [`simulate`]; `ahead`: while rounds draft nothing, the next round's length is
+    /// chosen before the round in flight is observed, as the engine's plain steps do.
+    fn simulate_ahead(
+        max: usize,
+        rounds: usize,
+        alpha: f64,
+        draft_s: f64,
+        verify: impl Fn(usize) -> f64,
+        ahead: bool,
+    ) -> Vec<usize> {
         let mut control = DraftLength::new(max, true);
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let mut uniform = move || {
@@ -180,9 +195,13 @@ mod tests {
             (state >> 11) as f64 / (1u64 << 53) as f64
         };
         let mut chosen = Vec::new();
+        let mut planned = None;
         for _ in 0..rounds {
-            let k = control.next(usize::MAX);
+            let k = planned.take().unwrap_or_else(|| control.next(usize::MAX));
             chosen.push(k);
+            if ahead && k == 0 {
+                planned = Some(control.next(usize::MAX));
+            }
             let kept = (0..k).take_while(|_| uniform() < alpha).count();
             control.observe(k, kept, draft_s * k as f64, verify(k + 1));
         }
@@ -218,6 +237,18 @@ mod tests {
             tail.contains(&1),
             "probes keep measuring acceptance: {ks:?}"
         );
+    }
+
+    /// Plain steps choose the next round before their own is observed: never-kept
+    /// drafts still stop being drafted, and the probes still come.
+    #[test]
+    fn choosing_one_round_ahead_keeps_the_plain_steps_and_the_probes() {
+        let ks = simulate_ahead(6, 80, 0.0, 0.005, |w| 0.01 + 0.0001 * w as f64, true);
+        let tail = &ks[30..];
+        assert_eq!(most_common(tail), 0, "{ks:?}");
+        assert!(tail.iter().all(|&k| k <= 1), "{ks:?}");
+        let probes = tail.iter().filter(|&&k| k == 1).count();
+        assert!(probes >= tail.len() / PROBE_EVERY - 1, "{ks:?}");
     }
 
     #[test]

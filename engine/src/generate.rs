@@ -149,7 +149,8 @@ pub fn prefill_with_taps(
     Ok((logits, hidden))
 }
 
-/// Logits `[1, vocab]` → host `f32` values for sampling.
+/// Logits → host `f32` values, row after row (references and tests: decoding itself
+/// samples on the device).
 pub fn logits_to_host(logits: &Array) -> Result<Vec<f32>, EngineError> {
     let row = logits.as_dtype(Dtype::Float32)?;
     row.eval()?;
@@ -159,24 +160,17 @@ pub fn logits_to_host(logits: &Array) -> Result<Vec<f32>, EngineError> {
         .to_vec())
 }
 
-/// Chooses the next token from `[1, vocab]` logits: on the device for greedy
-/// decoding (no host copy of the vocabulary), on the host for sampling.
-enum Picker {
-    Greedy,
-    Sample(Box<Sampler>),
-}
-
-impl Picker {
-    /// Returns the token as a lazy `[1, 1]` array (greedy) or an evaluated one.
-    fn pick(&mut self, logits: &Array) -> Result<Array, EngineError> {
-        match self {
-            Picker::Greedy => Ok(argmax_axis(logits, -1, true)?.as_dtype(Dtype::Uint32)?),
-            Picker::Sample(sampler) => {
-                let id = sampler.sample(&logits_to_host(logits)?);
-                Ok(Array::from_slice(&[id], &[1, 1]))
-            }
-        }
-    }
+/// The next token from `[1, vocab]` logits as a lazy `[1, 1]` uint32 array: the argmax
+/// without a sampler, else a draw. On the device either way, so the next step's graph
+/// can be built on the token before it is known.
+pub(crate) fn pick_next(
+    sampler: Option<&mut Sampler>,
+    logits: &Array,
+) -> Result<Array, EngineError> {
+    Ok(match sampler {
+        None => argmax_axis(logits, -1, true)?.as_dtype(Dtype::Uint32)?,
+        Some(sampler) => sampler.sample(logits)?.reshape(&[1, 1])?,
+    })
 }
 
 /// Builds and queues the forward that follows `token` (`[1, 1]`, possibly still lazy);
@@ -185,7 +179,7 @@ fn queue_step(
     model: &dyn TargetModel,
     cache: &mut ModelCache,
     token: &Array,
-    picker: &mut Picker,
+    sampler: Option<&mut Sampler>,
     times: &mut DecodeBreakdown,
 ) -> Result<Array, EngineError> {
     let start = Instant::now();
@@ -193,7 +187,7 @@ fn queue_step(
         .forward(token, cache, &[])?
         .logits
         .try_index((.., -1, ..))?;
-    let picked = picker.pick(&logits)?;
+    let picked = pick_next(sampler, &logits)?;
     let built = Instant::now();
     async_eval([&picked])?;
     times.building_seconds += (built - start).as_secs_f64();
@@ -201,7 +195,7 @@ fn queue_step(
     Ok(picked)
 }
 
-fn token_value(token: &Array) -> Result<u32, EngineError> {
+pub(crate) fn token_value(token: &Array) -> Result<u32, EngineError> {
     token
         .try_item_cast::<u32>()
         .map_err(|e| EngineError::Mlx(e.to_string()))
@@ -276,25 +270,22 @@ pub fn generate(
             limit: context_limit,
         });
     }
-    let mut picker = if config.sampling.is_greedy() {
-        Picker::Greedy
-    } else {
-        Picker::Sample(Box::new(Sampler::new(config.sampling.clone())))
-    };
+    let mut sampler = (!config.sampling.is_greedy()).then(|| Sampler::new(config.sampling.clone()));
     let mut sink = TextSink::new(tokenizer, &config.stop_strings, on_text);
     let mut cache = model.new_cache();
     let mut tokens = Vec::new();
 
     let start = Instant::now();
-    let mut next = picker.pick(&prefill(model, &mut cache, prompt)?)?;
+    let mut next = pick_next(sampler.as_mut(), &prefill(model, &mut cache, prompt)?)?;
     let first_id = token_value(&next)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 
-    // Greedy decoding keeps two steps in flight: the graph of step n+2 is built and
-    // queued from step n+1's still-lazy token before the host waits for step n+1, so
-    // the device never idles while the host builds graphs or detokenizes. (A step
-    // queued past an EOS or a stop string is computed and dropped.)
+    // Decoding keeps two steps in flight: the graph of step n+2 is built and queued
+    // from step n+1's still-lazy token (greedy or sampled, it is picked on the device)
+    // before the host waits for step n+1, so the device never idles while the host
+    // builds graphs or detokenizes. (A step queued past an EOS or a stop string is
+    // computed and dropped.)
     let mut current_id = first_id;
     let mut queued: Option<Array> = None;
     let mut times = DecodeBreakdown::default();
@@ -317,17 +308,17 @@ pub fn generate(
         }
         let step = match queued.take() {
             Some(token) => token,
-            None => queue_step(model, &mut cache, &next, &mut picker, &mut times)?,
+            None => queue_step(model, &mut cache, &next, sampler.as_mut(), &mut times)?,
         };
         // Room for one more after `step`: queue it before waiting on `step`.
         let room =
             tokens.len() + 1 < config.max_tokens && prompt.len() + tokens.len() + 1 < context_limit;
-        if room && matches!(picker, Picker::Greedy) {
+        if room {
             queued = Some(queue_step(
                 model,
                 &mut cache,
                 &step,
-                &mut picker,
+                sampler.as_mut(),
                 &mut times,
             )?);
         }

@@ -1,6 +1,7 @@
 //! dspec's engine: everything between a model directory on disk and streamed text —
 //! resolving and loading targets, tokenization and chat templates, sampling, the decode loops.
 
+pub mod acceptance;
 pub mod bench;
 pub mod chat_template;
 pub mod convert;

@@ -7,24 +7,29 @@
 //! probability min(1, p(d)/q(d)) and the first rejection is replaced by a sample from
 //! max(0, p − q) renormalised (p: the target's processed distribution, q: the
 //! drafter's, one-hot for drafters without one), so the output has exactly the
-//! target's distribution.
+//! target's distribution. Acceptance runs on the device ([`crate::acceptance`]): a
+//! round reads back only the kept count and the target's token.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
-use mlx_rs::{Array, Dtype};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::{concatenate, softmax_axis};
+use mlx_rs::transforms::async_eval;
+use mlx_rs::Array;
 use serde::Serialize;
 
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{Draft, Drafter, ModelError, Picked, TargetModel, TokenPicker};
+use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
+use crate::acceptance::{accept_greedy, accept_sampled, argmax_all, Accepted};
 use crate::draft_length::DraftLength;
 use crate::error::EngineError;
 use crate::generate::{
-    logits_to_host, prefill_with_taps, GenerationConfig, GenerationStats, StopReason, TextSink,
+    pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
+    TextSink,
 };
-use crate::sampling::{probabilities, Sampler, SamplingParams};
+use crate::sampling::Sampler;
 use crate::tokenizer::TextTokenizer;
 
 /// How well drafting went.
@@ -39,6 +44,10 @@ pub struct SpeculativeStats {
     pub tau: f64,
     /// `acceptance_histogram[a]`: rounds in which exactly `a` drafts were accepted.
     pub acceptance_histogram: Vec<usize>,
+    /// `draft_histogram[k]`: rounds that drafted `k` tokens; `[0]` counts the rounds
+    /// without drafts, run as plain decoding steps (`--max-draft auto` when drafts do
+    /// not pay, and a last token with no room for drafts).
+    pub draft_histogram: Vec<usize>,
     /// Share of decode time the engine spent waiting on the drafter (a draft model
     /// drafting ahead on its own thread works while the target verifies: that part is
     /// not counted).
@@ -53,28 +62,9 @@ pub struct SpeculativeOutput {
     pub speculative: SpeculativeStats,
 }
 
-/// Argmax of every position of `[.., V]` logits, on the host (one sync for all rows).
-fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
-    let ids = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
-    ids.eval()?;
-    Ok(ids
-        .try_as_slice::<u32>()
-        .map_err(|e| EngineError::Mlx(e.to_string()))?
-        .to_vec())
-}
-
-/// Every row of `[.., V]` logits as the processed distribution `params` samples from.
-fn distributions(logits: &Array, params: &SamplingParams) -> Result<Vec<Vec<f32>>, EngineError> {
-    let vocab = logits.shape().last().copied().unwrap_or(0).max(1) as usize;
-    let host = logits_to_host(logits)?;
-    Ok(host
-        .chunks(vocab)
-        .map(|row| probabilities(row, params))
-        .collect())
-}
-
 /// The engine's [`TokenPicker`]: argmax on the device under greedy decoding, else a
-/// sample from the same processed distribution the target is sampled from.
+/// draw from the same processed distribution the target is sampled from, whose rows
+/// stay on the device as the drafter's q.
 struct EnginePicker<'a> {
     sampler: Option<&'a mut Sampler>,
 }
@@ -86,78 +76,27 @@ impl TokenPicker for EnginePicker<'_> {
 
     fn pick(&mut self, logits: &Array) -> ModelResult<Picked> {
         let to_model = |e: EngineError| ModelError::Unsupported(e.to_string());
+        let vocab = logits.shape().last().copied().unwrap_or(0);
+        let rows = logits.reshape(&[-1, vocab])?;
         match self.sampler.as_deref_mut() {
             None => Ok(Picked {
-                tokens: argmax_all(logits).map_err(to_model)?,
+                tokens: argmax_all(&rows).map_err(to_model)?,
                 probs: None,
             }),
             Some(sampler) => {
-                let probs = distributions(logits, sampler.params()).map_err(to_model)?;
-                let tokens = probs.iter().map(|p| sampler.sample_from(p)).collect();
+                let processed = sampler.process(&rows).map_err(to_model)?;
+                let tokens = sampler.draw(&processed).map_err(to_model)?;
+                tokens.eval()?;
                 Ok(Picked {
-                    tokens,
-                    probs: Some(probs),
+                    tokens: tokens
+                        .try_as_slice::<u32>()
+                        .map_err(|e| ModelError::Unsupported(e.to_string()))?
+                        .to_vec(),
+                    probs: Some(softmax_axis(&processed, -1, true)?),
                 })
             }
         }
     }
-}
-
-/// Lossless acceptance of `draft` against the target's `logits` over `[last, d1..dk]`:
-/// returns how many drafts are kept and the token the target adds after them.
-fn accept(
-    logits: &Array,
-    draft: &Draft,
-    sampler: Option<&mut Sampler>,
-) -> Result<(usize, u32), EngineError> {
-    let Some(sampler) = sampler else {
-        // Greedy: the longest prefix equal to the target's argmax, then its argmax.
-        let target = argmax_all(logits)?;
-        let accepted = draft
-            .tokens
-            .iter()
-            .zip(&target)
-            .take_while(|(d, t)| d == t)
-            .count();
-        return Ok((accepted, target[accepted]));
-    };
-    let p = distributions(logits, sampler.params())?;
-    for (i, &d) in draft.tokens.iter().enumerate() {
-        let (p, at) = (&p[i], d as usize);
-        // The drafter's q at this position; one-hot at `d` when it has none (or when its
-        // q gives its own token no mass, which only a broken drafter does).
-        let q = draft
-            .probs
-            .as_ref()
-            .and_then(|q| q.get(i))
-            .filter(|q| q.len() == p.len() && q.get(at).is_some_and(|&x| x > 0.0));
-        let pd = f64::from(p.get(at).copied().unwrap_or(0.0));
-        let qd = q.map_or(1.0, |q| f64::from(q[at]));
-        // Accept d with probability min(1, p(d)/q(d)).
-        if sampler.uniform() * qd < pd {
-            continue;
-        }
-        // Rejected: the target's token comes from the residual max(0, p − q); for a
-        // one-hot q that is p without d.
-        let residual: Vec<f32> = match q {
-            Some(q) => p.iter().zip(q).map(|(&a, &b)| (a - b).max(0.0)).collect(),
-            None => {
-                let mut r = p.clone();
-                if let Some(x) = r.get_mut(at) {
-                    *x = 0.0;
-                }
-                r
-            }
-        };
-        let token = if residual.iter().any(|&r| r > 0.0) {
-            sampler.sample_from(&residual)
-        } else {
-            sampler.sample_from(p)
-        };
-        return Ok((i, token));
-    }
-    let bonus = sampler.sample_from(&p[draft.tokens.len()]);
-    Ok((draft.tokens.len(), bonus))
 }
 
 /// One line of `--trace`: what a round drafted and what the target kept.
@@ -214,8 +153,247 @@ impl Committer<'_> {
     }
 }
 
+/// Counts of what the rounds did, for [`SpeculativeStats`].
+struct Tally {
+    forwards: usize,
+    drafted: usize,
+    accepted: usize,
+    /// Rounds by drafts accepted.
+    accepted_histogram: Vec<usize>,
+    /// Rounds by tokens drafted (`[0]`: rounds run as plain decoding steps).
+    drafted_histogram: Vec<usize>,
+    draft_time: Duration,
+}
+
+impl Tally {
+    fn new(max_draft: usize) -> Self {
+        Self {
+            forwards: 0,
+            drafted: 0,
+            accepted: 0,
+            accepted_histogram: vec![0; max_draft + 1],
+            drafted_histogram: vec![0; max_draft + 1],
+            draft_time: Duration::ZERO,
+        }
+    }
+
+    fn round(&mut self, drafted: usize, accepted: usize) {
+        self.forwards += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+        self.accepted_histogram[accepted] += 1;
+        self.drafted_histogram[drafted] += 1;
+    }
+}
+
+/// A plain decoding step in flight: its token (`[1, 1]`, lazy) and the target's hidden
+/// states at the position it fed, when the drafter taps them.
+struct PlainStep {
+    token: Array,
+    hidden: Option<Array>,
+}
+
+/// The state of a speculative generation between rounds.
+struct Rounds<'a, 't> {
+    model: &'a dyn TargetModel,
+    cache: ModelCache,
+    taps: Vec<usize>,
+    drafter: &'a mut dyn Drafter,
+    sampler: Option<Sampler>,
+    length: DraftLength,
+    committer: Committer<'a>,
+    trace: Option<&'t mut dyn Write>,
+    tally: Tally,
+    /// The newest committed token, not yet fed to the target.
+    last: u32,
+}
+
+impl Rounds<'_, '_> {
+    /// Tokens that may still be committed (at least 1 while generation goes on).
+    fn room(&self) -> usize {
+        let done = self.committer.tokens.len();
+        (self.committer.config.max_tokens - done).min(self.committer.context_left - done)
+    }
+
+    /// Drafts to ask for next: `planned` (chosen ahead by a plain run) or the
+    /// controller's choice, never past what may still be committed.
+    fn draft_length(&self, planned: Option<usize>) -> usize {
+        let limit = self.room().saturating_sub(1);
+        planned.map_or_else(|| self.length.next(limit), |k| k.min(limit))
+    }
+
+    fn write_trace(&mut self, line: RoundTrace) -> Result<(), EngineError> {
+        if let Some(out) = self.trace.as_deref_mut() {
+            serde_json::to_writer(&mut *out, &line)
+                .map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
+            writeln!(out).map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// One round of `k ≥ 1` drafts: propose, verify `[last, drafts]` in one forward,
+    /// accept, trim, tell the drafter. Returns the stop reason when generation ends.
+    fn draft_round(&mut self, k: usize) -> Result<Option<StopReason>, EngineError> {
+        let t = Instant::now();
+        let mut draft = self.drafter.propose(
+            self.model,
+            self.last,
+            k,
+            &mut EnginePicker {
+                sampler: self.sampler.as_mut(),
+            },
+        )?;
+        let draft_elapsed = t.elapsed();
+        self.tally.draft_time += draft_elapsed;
+        draft.truncate(k)?;
+
+        let t = Instant::now();
+        let mut input = Vec::with_capacity(1 + draft.tokens.len());
+        input.push(self.last);
+        input.extend_from_slice(&draft.tokens);
+        let out = self.model.forward(
+            &Array::from_slice(&input, &[1, input.len() as i32]),
+            &mut self.cache,
+            &self.taps,
+        )?;
+        let logits = out.logits.try_index(0)?;
+        let Accepted {
+            drafts: accepted,
+            token: next,
+        } = match self.sampler.as_mut() {
+            None => accept_greedy(&logits, &draft.tokens)?,
+            Some(s) => accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?,
+        };
+        let verify_elapsed = t.elapsed();
+        self.cache.trim(draft.tokens.len() - accepted);
+        let hidden = match &out.hidden {
+            Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
+            None => None,
+        };
+        self.drafter
+            .commit(&input[..1 + accepted], hidden.as_ref())?;
+        self.write_trace(RoundTrace {
+            round: self.tally.forwards,
+            position: self.committer.tokens.len(),
+            drafted: draft.tokens.clone(),
+            accepted,
+            target_token: next,
+            draft_ms: draft_elapsed.as_secs_f64() * 1e3,
+            verify_ms: verify_elapsed.as_secs_f64() * 1e3,
+        })?;
+        self.tally.round(draft.tokens.len(), accepted);
+
+        self.last = next;
+        let mut stop = None;
+        for &token in draft.tokens[..accepted].iter().chain([&next]) {
+            stop = self.committer.push(token)?;
+            if stop.is_some() {
+                break;
+            }
+        }
+        // The controller weighs whole rounds: from the verify to the next round, the
+        // drafter's and the text's bookkeeping included, as a plain step is timed from
+        // token to token.
+        self.length.observe(
+            draft.tokens.len(),
+            accepted,
+            draft_elapsed.as_secs_f64(),
+            t.elapsed().as_secs_f64(),
+        );
+        Ok(stop)
+    }
+
+    /// Builds and queues the plain step that feeds `token` (possibly still lazy).
+    fn queue_plain(&mut self, token: &Array) -> Result<PlainStep, EngineError> {
+        let out = self.model.forward(token, &mut self.cache, &self.taps)?;
+        let logits = out.logits.try_index((.., -1, ..))?;
+        let token = pick_next(self.sampler.as_mut(), &logits)?;
+        async_eval(std::iter::once(&token).chain(out.hidden.iter()))?;
+        Ok(PlainStep {
+            token,
+            hidden: out.hidden,
+        })
+    }
+
+    /// Rounds without drafts, run as plain decoding for as long as the controller
+    /// chooses none: two steps in flight (the next step's graph is built on the still
+    /// lazy token, as [`crate::generate::generate`] does), one token read per step, and
+    /// no drafter work per step: the drafter is asked for no drafts once, and hears of
+    /// every position the run fed in one `commit` at its end. Each step is a round to
+    /// the controller, timed from token to token, so rounds without drafts are measured
+    /// at plain decoding's pipelined speed and its probes keep coming. Returns the stop
+    /// reason when generation ends, else the draft length chosen for the next round.
+    fn plain_run(&mut self) -> Result<(Option<StopReason>, Option<usize>), EngineError> {
+        let t = Instant::now();
+        self.drafter.propose(
+            self.model,
+            self.last,
+            0,
+            &mut EnginePicker {
+                sampler: self.sampler.as_mut(),
+            },
+        )?;
+        self.tally.draft_time += t.elapsed();
+        let mut fed = vec![self.last];
+        let mut hidden = Vec::new();
+        let mut current = self.queue_plain(&Array::from_slice(&[self.last], &[1, 1]))?;
+        let mut since = Instant::now();
+        let outcome = loop {
+            // Chosen before this step is read or observed (the price of keeping two
+            // steps in flight): the round after it, when there is room for one.
+            let room_after = self.room() - 1;
+            let next_k = (room_after > 0).then(|| self.length.next(room_after - 1));
+            let queued = match next_k {
+                Some(0) => Some(self.queue_plain(&current.token)?),
+                _ => None,
+            };
+            let token = token_value(&current.token)?;
+            let seconds = since.elapsed().as_secs_f64();
+            since = Instant::now();
+            self.length.observe(0, 0, 0.0, seconds);
+            self.write_trace(RoundTrace {
+                round: self.tally.forwards,
+                position: self.committer.tokens.len(),
+                drafted: Vec::new(),
+                accepted: 0,
+                target_token: token,
+                draft_ms: 0.0,
+                verify_ms: seconds * 1e3,
+            })?;
+            self.tally.round(0, 0);
+            hidden.extend(current.hidden.take());
+            self.last = token;
+            let stop = self.committer.push(token)?;
+            match (stop, queued) {
+                (Some(stop), queued) => {
+                    // A step queued past the end: let it finish, so nothing is in
+                    // flight when generation returns.
+                    if let Some(step) = queued {
+                        step.token.eval()?;
+                    }
+                    break (Some(stop), None);
+                }
+                (None, Some(step)) => {
+                    fed.push(token);
+                    current = step;
+                }
+                (None, None) => break (None, next_k),
+            }
+        };
+        let hidden = match hidden.len() {
+            0 => None,
+            1 => hidden.pop(),
+            _ => Some(concatenate(&hidden, 1)?),
+        };
+        self.drafter.commit(&fed, hidden.as_ref())?;
+        Ok(outcome)
+    }
+}
+
 /// Speculative generation: greedy or sampled as `config.sampling` says, lossless
-/// either way.
+/// either way. Rounds for which the draft-length controller chooses no drafts run as
+/// plain decoding (see [`Rounds::plain_run`]), so `--max-draft auto` with drafts that
+/// do not pay decodes at plain decoding's speed.
 pub fn generate_speculative(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
@@ -228,7 +406,7 @@ pub fn generate_speculative(
         drafter,
         max_draft,
         adaptive,
-        mut trace,
+        trace,
     } = speculation;
     if max_draft == 0 {
         return Err(EngineError::Invalid(
@@ -254,95 +432,39 @@ pub fn generate_speculative(
 
     let start = Instant::now();
     let (logits, prompt_hidden) = prefill_with_taps(model, &mut cache, prompt, &taps)?;
-    let mut last = match sampler.as_mut() {
-        None => argmax_all(&logits)?[0],
-        Some(s) => s.sample(&logits_to_host(&logits)?),
-    };
+    let last = token_value(&pick_next(sampler.as_mut(), &logits)?)?;
     // The drafter reads the prompt too (a draft model prefills its own cache): that is
     // prompt processing, timed with the target's, as mlx-lm times its draft model's.
     drafter.begin(model, prompt, prompt_hidden.as_ref())?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 
-    let mut draft_time = Duration::ZERO;
-    let mut histogram = vec![0usize; max_draft + 1];
-    let mut length = DraftLength::new(max_draft, adaptive);
-    let (mut forwards, mut drafted, mut accepted_total) = (0usize, 0usize, 0usize);
     let mut stop = committer.push(last)?;
+    let mut rounds = Rounds {
+        model,
+        cache,
+        taps,
+        drafter,
+        sampler,
+        length: DraftLength::new(max_draft, adaptive),
+        committer,
+        trace,
+        tally: Tally::new(max_draft),
+        last,
+    };
+    let mut planned = None;
     while stop.is_none() {
-        // Never draft past what may still be committed.
-        let room = (config.max_tokens - committer.tokens.len())
-            .min(committer.context_left - committer.tokens.len());
-        let k = length.next(room.saturating_sub(1));
-        let t = Instant::now();
-        let mut draft = drafter.propose(
-            model,
-            last,
-            k,
-            &mut EnginePicker {
-                sampler: sampler.as_mut(),
-            },
-        )?;
-        let draft_elapsed = t.elapsed();
-        draft_time += draft_elapsed;
-        draft.tokens.truncate(k);
-        if let Some(probs) = draft.probs.as_mut() {
-            probs.truncate(draft.tokens.len());
-        }
-
-        let t = Instant::now();
-        let mut input = Vec::with_capacity(1 + draft.tokens.len());
-        input.push(last);
-        input.extend_from_slice(&draft.tokens);
-        let out = model.forward(
-            &Array::from_slice(&input, &[1, input.len() as i32]),
-            &mut cache,
-            &taps,
-        )?;
-        let (accepted, next) = accept(&out.logits, &draft, sampler.as_mut())?;
-        let verify_elapsed = t.elapsed();
-        length.observe(
-            draft.tokens.len(),
-            accepted,
-            draft_elapsed.as_secs_f64(),
-            verify_elapsed.as_secs_f64(),
-        );
-        cache.trim(draft.tokens.len() - accepted);
-        let hidden = match &out.hidden {
-            Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
-            None => None,
-        };
-        drafter.commit(&input[..1 + accepted], hidden.as_ref())?;
-        if let Some(out) = trace.as_deref_mut() {
-            let line = RoundTrace {
-                round: forwards,
-                position: committer.tokens.len(),
-                drafted: draft.tokens.clone(),
-                accepted,
-                target_token: next,
-                draft_ms: draft_elapsed.as_secs_f64() * 1e3,
-                verify_ms: verify_elapsed.as_secs_f64() * 1e3,
-            };
-            serde_json::to_writer(&mut *out, &line)
-                .map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
-            writeln!(out).map_err(|e| EngineError::Invalid(format!("writing --trace: {e}")))?;
-        }
-        forwards += 1;
-        drafted += draft.tokens.len();
-        accepted_total += accepted;
-        histogram[accepted] += 1;
-
-        last = next;
-        for &token in draft.tokens[..accepted]
-            .iter()
-            .chain(std::iter::once(&last))
-        {
-            stop = committer.push(token)?;
-            if stop.is_some() {
-                break;
-            }
+        match rounds.draft_length(planned.take()) {
+            0 => (stop, planned) = rounds.plain_run()?,
+            k => stop = rounds.draft_round(k)?,
         }
     }
+    let Rounds {
+        drafter,
+        mut committer,
+        tally,
+        ..
+    } = rounds;
     let stop_reason = stop.unwrap_or(StopReason::MaxTokens);
     committer
         .sink
@@ -357,12 +479,13 @@ pub fn generate_speculative(
     );
     let speculative = SpeculativeStats {
         drafter: drafter.name().to_string(),
-        target_forwards: forwards,
-        drafted_tokens: drafted,
-        accepted_tokens: accepted_total,
-        tau: (accepted_total + forwards) as f64 / forwards.max(1) as f64,
-        acceptance_histogram: histogram,
-        draft_time_share: draft_time.as_secs_f64() / decode_seconds.max(1e-9),
+        target_forwards: tally.forwards,
+        drafted_tokens: tally.drafted,
+        accepted_tokens: tally.accepted,
+        tau: (tally.accepted + tally.forwards) as f64 / tally.forwards.max(1) as f64,
+        acceptance_histogram: tally.accepted_histogram,
+        draft_histogram: tally.drafted_histogram,
+        draft_time_share: tally.draft_time.as_secs_f64() / decode_seconds.max(1e-9),
     };
     Ok(SpeculativeOutput {
         text: committer.sink.text,

@@ -94,7 +94,7 @@ impl Drafter for Watched {
             && draft
                 .probs
                 .as_ref()
-                .is_some_and(|p| p.len() == draft.tokens.len())
+                .is_some_and(|p| p.shape()[0] as usize == draft.tokens.len())
         {
             self.with_probs += 1;
         }

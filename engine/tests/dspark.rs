@@ -312,10 +312,7 @@ impl TokenPicker for SoftmaxPicker {
         host.eval()?;
         let values = host.as_slice::<f32>();
         let vocab = *logits.shape().last().unwrap() as usize;
-        let mut picked = Picked {
-            tokens: vec![],
-            probs: Some(vec![]),
-        };
+        let (mut tokens, mut probs) = (vec![], vec![]);
         for row in values.chunks(vocab) {
             self.rows.push(row.to_vec());
             let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -327,12 +324,14 @@ impl TokenPicker for SoftmaxPicker {
                 .max_by(|a, b| a.1.total_cmp(b.1))
                 .map(|(i, _)| i as u32)
                 .unwrap();
-            picked.tokens.push(argmax);
-            if let Some(p) = picked.probs.as_mut() {
-                p.push(exp.iter().map(|e| e / sum).collect());
-            }
+            tokens.push(argmax);
+            probs.extend(exp.iter().map(|e| e / sum));
         }
-        Ok(picked)
+        let rows = tokens.len() as i32;
+        Ok(Picked {
+            tokens,
+            probs: Some(Array::from_slice(&probs, &[rows, vocab as i32])),
+        })
     }
 }
 
@@ -368,9 +367,11 @@ fn sampled_drafts_carry_the_markov_corrected_distribution() {
         let mut picker = SoftmaxPicker::default();
         let draft = drafter.propose(model, truth[0], 4, &mut picker).unwrap();
         let probs = draft.probs.as_ref().expect("sampled drafts carry q");
-        assert_eq!(probs.len(), draft.tokens.len());
+        assert_eq!(probs.shape()[0] as usize, draft.tokens.len());
         assert_eq!(draft.tokens.len(), 4);
-        for (q, &t) in probs.iter().zip(&draft.tokens) {
+        let vocab = probs.shape()[1] as usize;
+        probs.eval().unwrap();
+        for (q, &t) in probs.as_slice::<f32>().chunks(vocab).zip(&draft.tokens) {
             assert!((q.iter().sum::<f32>() - 1.0).abs() < 1e-4);
             // The taught Markov bias (+100) dominates: q puts its mass on the token it
             // picked, which only happens if the bias is inside the distribution.

@@ -1,5 +1,6 @@
 //! Plain generation against a reference without any cache: each step re-runs the whole
 //! sequence and takes the argmax. The cached, pipelined loop must pick the same tokens.
+//! Sampled generation (on the device, pipelined the same way) is reproducible by seed.
 
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::Array;
@@ -182,4 +183,59 @@ fn sharded_checkpoint_loads_like_a_single_file() {
         err.to_string().contains("model-00002-of-00002.safetensors"),
         "{err}"
     );
+}
+
+/// A seed fixes a sampled generation; another seed gives another one. (Its distribution
+/// is checked in speculative_sampling.rs.)
+#[test]
+fn sampled_generation_is_reproducible_by_seed() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), "{}", 5).unwrap();
+    let loaded = load_model(
+        dir.path().to_str().unwrap(),
+        &builtin_registry().unwrap(),
+        &LoadOptions::default(),
+        false,
+    )
+    .unwrap();
+    let prompt = loaded.tokenizer.encode_prompt("Sample me", false).unwrap();
+    let run = |seed: Option<u64>, top_p: f32| {
+        let config = GenerationConfig {
+            max_tokens: 30,
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_p,
+                seed,
+                ..SamplingParams::default()
+            },
+            stop_strings: vec![],
+            eos_ids: vec![],
+        };
+        let out = generate(
+            loaded.model.as_ref(),
+            &loaded.tokenizer,
+            &prompt,
+            &config,
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(out.tokens.len(), 30);
+        assert_eq!(out.stats.stop_reason, StopReason::MaxTokens);
+        out.tokens
+    };
+    for top_p in [1.0, 0.9] {
+        let first = run(Some(1), top_p);
+        assert_eq!(first, run(Some(1), top_p), "top-p {top_p}: same seed");
+        assert_ne!(first, run(Some(2), top_p), "top-p {top_p}: another seed");
+        assert_ne!(
+            run(None, top_p),
+            run(None, top_p),
+            "top-p {top_p}: OS seeds"
+        );
+        assert_ne!(
+            first,
+            reference_greedy(loaded.model.as_ref(), &prompt, 30),
+            "top-p {top_p}: sampling is not greedy"
+        );
+    }
 }

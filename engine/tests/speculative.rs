@@ -2,6 +2,8 @@
 //! drafter proposes — and stop exactly where plain decoding stops (EOS, max tokens,
 //! stop strings) even when that falls inside an accepted block.
 
+use std::time::Duration;
+
 use mlx_rs::Array;
 
 use dspec_drafters::ngram::NgramDrafter;
@@ -35,6 +37,8 @@ struct NoisyOracle {
     vocab: u32,
     hidden_checks: usize,
     always_wrong: bool,
+    /// Time each `propose` of drafts takes, as a draft model's forwards would.
+    propose_cost: Duration,
 }
 
 impl NoisyOracle {
@@ -47,6 +51,7 @@ impl NoisyOracle {
             vocab: 259,
             hidden_checks: 0,
             always_wrong: false,
+            propose_cost: Duration::ZERO,
         }
     }
 
@@ -87,6 +92,9 @@ impl Drafter for NoisyOracle {
             self.truth.get(self.seen),
             "last is the next true token"
         );
+        if max_k > 0 {
+            std::thread::sleep(self.propose_cost);
+        }
         let start = self.seen + 1;
         let mut tokens: Vec<u32> = self.truth.iter().skip(start).take(max_k).copied().collect();
         self.round += 1;
@@ -330,4 +338,75 @@ fn adaptive_draft_length_keeps_greedy_output() {
             assert_eq!(s.accepted_tokens, 0);
         }
     }
+}
+
+/// `--max-draft auto` with drafts that are never kept and cost a draft model's time:
+/// after the warm-up, rounds run as plain decoding steps (no drafts), with a probe of
+/// one draft now and then so the acceptance stays measured; the drafter hears of the
+/// plain steps in batches, and the output is plain greedy's token for token.
+#[test]
+fn auto_draft_length_decodes_plainly_while_drafts_fail() {
+    let (_dir, loaded) = load("{}", 23);
+    let prompt = loaded
+        .tokenizer
+        .encode_prompt("drafts that never pay", false)
+        .unwrap();
+    let truth = greedy(&loaded, &prompt, 130);
+    let mut drafter = NoisyOracle {
+        propose_cost: Duration::from_millis(3),
+        ..NoisyOracle::always_wrong(&truth)
+    };
+    let mut trace = Vec::new();
+    let out = generate_speculative(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        &prompt,
+        &config(120, vec![], vec![]),
+        Speculation {
+            drafter: &mut drafter,
+            max_draft: 6,
+            adaptive: true,
+            trace: Some(&mut trace),
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(out.tokens, truth[..120].to_vec());
+    let s = &out.speculative;
+    assert_eq!(s.accepted_tokens, 0);
+    // Every round commits one token: the first comes from prefill.
+    assert_eq!(s.target_forwards, 119);
+    assert_eq!(s.draft_histogram.len(), 7);
+    assert_eq!(s.draft_histogram.iter().sum::<usize>(), s.target_forwards);
+    let plain = s.draft_histogram[0];
+    assert!(
+        plain * 3 >= s.target_forwards * 2,
+        "most rounds run without drafts: {:?}",
+        s.draft_histogram
+    );
+    assert!(
+        s.draft_histogram[1] >= 3,
+        "one-draft probes keep measuring acceptance: {:?}",
+        s.draft_histogram
+    );
+    assert_eq!(s.draft_histogram[6], 3, "the warm-up drafts the maximum");
+    // Plain steps reach the drafter in batches, each commit checked by the oracle.
+    assert!(
+        drafter.hidden_checks * 3 < s.target_forwards,
+        "{} commits for {} rounds",
+        drafter.hidden_checks,
+        s.target_forwards
+    );
+    // The trace has a line per round; rounds without drafts show none.
+    let lines: Vec<serde_json::Value> = String::from_utf8(trace)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), s.target_forwards);
+    let undrafted = lines
+        .iter()
+        .filter(|l| l["drafted"].as_array().is_some_and(|d| d.is_empty()))
+        .count();
+    assert_eq!(undrafted, plain);
 }

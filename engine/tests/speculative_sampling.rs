@@ -1,9 +1,11 @@
-//! Speculative sampling is lossless: the first three generated tokens are distributed
-//! exactly as the target's own sampling distribution says, whatever the drafter.
+//! Sampling is exact: the first three generated tokens are distributed exactly as the
+//! target's own sampling distribution says, for plain decoding (drawn on the device,
+//! pipelined) and for speculative decoding whatever the drafter (rejection sampling on
+//! the device).
 //!
-//! The exact joint distribution P(t1, t2, t3) is computed from the target's processed
-//! distributions (temperature, top-k) with one forward per prefix; speculative samples
-//! (fixed seeds) are tested against it with Pearson's chi-square. Threshold: the
+//! The exact joint distribution P(t1, t2, t3) is computed on the host by the reference
+//! `probabilities` from the target's logits (temperature, top-k) with one forward per
+//! prefix; samples (fixed seeds) are tested against it with Pearson's chi-square. Threshold: the
 //! statistic must stay below the chi-square quantile at p = 0.001 for its degrees of
 //! freedom (Wilson–Hilferty approximation). A loop that skipped the residual
 //! distribution, or accepted drafts unconditionally, fails this by orders of magnitude.
@@ -13,7 +15,7 @@ use std::collections::HashMap;
 use mlx_rs::Array;
 
 use dspec_engine::drafting::load_drafter;
-use dspec_engine::generate::{logits_to_host, GenerationConfig};
+use dspec_engine::generate::{generate, logits_to_host, GenerationConfig};
 use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::sampling::{probabilities, SamplingParams};
 use dspec_engine::speculative::{generate_speculative, Speculation};
@@ -36,7 +38,7 @@ fn params(seed: u64) -> SamplingParams {
 }
 
 /// The target's processed next-token distribution after `ids` (no cache reuse: exact).
-fn next_distribution(model: &dyn TargetModel, ids: &[u32]) -> Vec<f32> {
+fn next_distribution(model: &dyn TargetModel, ids: &[u32], params: &SamplingParams) -> Vec<f32> {
     let mut cache = model.new_cache();
     let out = model
         .forward(
@@ -47,11 +49,15 @@ fn next_distribution(model: &dyn TargetModel, ids: &[u32]) -> Vec<f32> {
         .unwrap();
     let vocab = model.info().vocab_size;
     let all = logits_to_host(&out.logits).unwrap();
-    probabilities(&all[all.len() - vocab..], &params(0))
+    probabilities(&all[all.len() - vocab..], params)
 }
 
 /// Exact P(t1, t2, t3) after `prompt`, over sequences of nonzero probability.
-fn exact_joint(model: &dyn TargetModel, prompt: &[u32]) -> HashMap<[u32; 3], f64> {
+fn exact_joint(
+    model: &dyn TargetModel,
+    prompt: &[u32],
+    params: &SamplingParams,
+) -> HashMap<[u32; 3], f64> {
     let support = |p: &[f32]| -> Vec<(u32, f64)> {
         p.iter()
             .enumerate()
@@ -60,13 +66,13 @@ fn exact_joint(model: &dyn TargetModel, prompt: &[u32]) -> HashMap<[u32; 3], f64
             .collect()
     };
     let mut joint = HashMap::new();
-    let p1 = next_distribution(model, prompt);
+    let p1 = next_distribution(model, prompt, params);
     for (a, pa) in support(&p1) {
         let mut ids = prompt.to_vec();
         ids.push(a);
-        for (b, pb) in support(&next_distribution(model, &ids)) {
+        for (b, pb) in support(&next_distribution(model, &ids, params)) {
             ids.push(b);
-            for (c, pc) in support(&next_distribution(model, &ids)) {
+            for (c, pc) in support(&next_distribution(model, &ids, params)) {
                 joint.insert([a, b, c], pa * pb * pc);
             }
             ids.pop();
@@ -200,7 +206,7 @@ fn speculative_sampling_matches_the_targets_distribution() {
     write_tiny_model(&d, "{}", 8).unwrap();
     let target = load(&t);
     let prompt = target.tokenizer.encode_prompt("ab", false).unwrap();
-    let expected = exact_joint(target.model.as_ref(), &prompt);
+    let expected = exact_joint(target.model.as_ref(), &prompt, &params(0));
     assert!(expected.len() >= 9, "top-3 sampling has a real choice");
 
     // One-hot drafts (no probabilities).
@@ -208,7 +214,7 @@ fn speculative_sampling_matches_the_targets_distribution() {
         let mut ids = prompt.clone();
         let mut path = Vec::new();
         for _ in 0..4 {
-            let p = next_distribution(target.model.as_ref(), &ids);
+            let p = next_distribution(target.model.as_ref(), &ids, &params(0));
             let best = dspec_engine::sampling::argmax(&p);
             path.push(best);
             ids.push(best);
@@ -251,5 +257,51 @@ fn speculative_sampling_matches_the_targets_distribution() {
     assert!(
         stat < critical,
         "draft model: chi-square {stat:.1} ≥ {critical:.1}"
+    );
+}
+
+/// Plain decoding's device sampling draws from the reference distribution: the same
+/// chi-square test over runs of three tokens, each run with its own seed. A lower
+/// temperature than the speculative test's and top-p on the top-k set: the tiny
+/// model's top logits are close, and sharper distributions make a wrong temperature
+/// or filter show.
+#[test]
+fn plain_sampling_matches_the_targets_distribution() {
+    let plain_params = |seed: u64| SamplingParams {
+        temperature: 0.6,
+        top_k: 3,
+        top_p: 0.75,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let root = tempfile::tempdir().unwrap();
+    write_tiny_model(root.path(), "{}", 8).unwrap();
+    let target = load(root.path());
+    let prompt = target.tokenizer.encode_prompt("ab", false).unwrap();
+    let expected = exact_joint(target.model.as_ref(), &prompt, &plain_params(0));
+    assert!(expected.len() >= 4, "the filters leave a real choice");
+    let mut seen = HashMap::new();
+    for i in 0..SAMPLES {
+        let cfg = GenerationConfig {
+            max_tokens: 3,
+            sampling: plain_params(3 * 1_000_003 + i as u64),
+            stop_strings: Vec::new(),
+            eos_ids: Vec::new(),
+        };
+        let out = generate(
+            target.model.as_ref(),
+            &target.tokenizer,
+            &prompt,
+            &cfg,
+            &mut |_| {},
+        )
+        .unwrap();
+        let key = [out.tokens[0], out.tokens[1], out.tokens[2]];
+        *seen.entry(key).or_insert(0) += 1;
+    }
+    let (stat, critical) = chi_square(&expected, &seen);
+    assert!(
+        stat < critical,
+        "plain sampling: chi-square {stat:.1} ≥ {critical:.1}"
     );
 }

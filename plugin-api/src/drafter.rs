@@ -9,6 +9,7 @@
 
 use std::path::Path;
 
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 
 use crate::error::{ModelError, Result};
@@ -19,21 +20,37 @@ use crate::target::{ModelInfo, Quantization, TargetModel};
 #[derive(Debug, Clone, Default)]
 pub struct Draft {
     pub tokens: Vec<u32>,
-    pub probs: Option<Vec<Vec<f32>>>,
+    /// q: `[tokens, vocab]` on the device, one row per token, each row the processed
+    /// distribution the token was drawn from. Kept on the device because the engine's
+    /// acceptance test runs there: only the accepted count comes back to the host.
+    pub probs: Option<Array>,
 }
 
 impl Draft {
     /// Appends picked tokens (and their distributions, when the picker sampled).
-    pub fn extend(&mut self, picked: Picked) {
+    pub fn extend(&mut self, picked: Picked) -> Result<()> {
         let first = self.tokens.is_empty();
         self.tokens.extend(picked.tokens);
-        match (picked.probs, &mut self.probs) {
-            (Some(p), Some(mine)) => mine.extend(p),
-            (Some(p), None) if first => self.probs = Some(p),
+        self.probs = match (picked.probs, self.probs.take()) {
+            (Some(p), Some(mine)) => Some(mlx_rs::ops::concatenate(&[mine, p], 0)?),
+            (Some(p), None) if first => Some(p),
             // Mixing picked-with and picked-without distributions cannot happen with
             // one picker; drop them rather than misalign positions.
-            _ => self.probs = None,
+            _ => None,
+        };
+        Ok(())
+    }
+
+    /// Keeps the first `n` tokens and their rows of `probs`.
+    pub fn truncate(&mut self, n: usize) -> Result<()> {
+        if n >= self.tokens.len() {
+            return Ok(());
         }
+        self.tokens.truncate(n);
+        if let Some(probs) = self.probs.take() {
+            self.probs = Some(probs.try_index((..n as i32, ..))?);
+        }
+        Ok(())
     }
 }
 
@@ -41,8 +58,9 @@ impl Draft {
 #[derive(Debug, Clone, Default)]
 pub struct Picked {
     pub tokens: Vec<u32>,
-    /// Under sampling: each row's processed distribution (length vocab, sums to 1).
-    pub probs: Option<Vec<Vec<f32>>>,
+    /// Under sampling: each row's processed distribution, `[rows, vocab]` on the device
+    /// (rows sum to 1).
+    pub probs: Option<Array>,
 }
 
 /// How the engine turns a drafter's logits into tokens: argmax under greedy decoding,
@@ -90,6 +108,11 @@ pub trait Drafter: Send {
     /// round, `[last, accepted drafts…]` (now in its cache), and `hidden` the target's
     /// states at exactly those positions when taps are declared. The target's own next
     /// token is not among them: it arrives as `last` of the next `propose`.
+    ///
+    /// A `propose` with `max_k` 0 starts rounds without drafts: the engine then decodes
+    /// plainly for as long as drafts do not pay, and the positions of all those steps
+    /// arrive in the one `commit` that follows, `[last, t1, t2, …]`, so a drafter does
+    /// no work per plain step.
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()>;
 }
 
@@ -225,4 +248,42 @@ pub fn drafter_kind_by_name(name: &str) -> Result<Option<&'static DrafterRegistr
     Ok(drafter_kinds()?
         .into_iter()
         .find(|k| k.by_name && k.kind == name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn picked(tokens: &[u32], probs: Option<&[f32]>) -> Picked {
+        Picked {
+            tokens: tokens.to_vec(),
+            probs: probs.map(|p| Array::from_slice(p, &[tokens.len() as i32, 2])),
+        }
+    }
+
+    fn rows(draft: &Draft) -> Vec<f32> {
+        let probs = draft.probs.as_ref().expect("probabilities");
+        assert_eq!(probs.shape(), [draft.tokens.len() as i32, 2]);
+        probs.as_slice::<f32>().to_vec()
+    }
+
+    #[test]
+    fn distributions_stay_aligned_with_their_tokens() {
+        let mut draft = Draft::default();
+        draft.extend(picked(&[1], Some(&[0.25, 0.75]))).unwrap();
+        draft
+            .extend(picked(&[0, 1], Some(&[0.5, 0.5, 0.0, 1.0])))
+            .unwrap();
+        assert_eq!(draft.tokens, [1, 0, 1]);
+        assert_eq!(rows(&draft), [0.25, 0.75, 0.5, 0.5, 0.0, 1.0]);
+        draft.truncate(2).unwrap();
+        assert_eq!(draft.tokens, [1, 0]);
+        assert_eq!(rows(&draft), [0.25, 0.75, 0.5, 0.5]);
+        draft.truncate(5).unwrap();
+        assert_eq!(draft.tokens.len(), 2);
+        // Tokens without a distribution make the whole draft one-hot.
+        draft.extend(picked(&[1], None)).unwrap();
+        assert_eq!(draft.tokens, [1, 0, 1]);
+        assert!(draft.probs.is_none());
+    }
 }
