@@ -1,16 +1,18 @@
 //! `dspec bench`: plain greedy decoding and speculative decoding on the same prompts in
 //! one process, so the speedup is a ratio of two runs under the same conditions, and
-//! the two greedy outputs are compared token for token (they must be identical).
+//! the two greedy outputs are compared token for token (they must be identical); and
+//! prefill speed, measured warm.
+
+use std::time::Instant;
 
 use serde::Serialize;
 
-use dspec_plugin_api::Drafter;
+use dspec_plugin_api::{Drafter, TargetModel};
 
 use crate::error::EngineError;
-use crate::generate::{generate, GenerationConfig, GenerationStats};
+use crate::generate::{generate, prefill, GenerationConfig, GenerationStats};
 use crate::speculative::{generate_speculative, Speculation, SpeculativeStats};
 use crate::tokenizer::TextTokenizer;
-use dspec_plugin_api::TargetModel;
 
 /// The prompts `dspec bench` runs without `--prompts`: code, chat, and an edit task
 /// that repeats its input (where prompt lookup shines).
@@ -62,6 +64,48 @@ pub fn read_prompts(path: &std::path::Path) -> Result<Vec<String>, EngineError> 
     Ok(prompts)
 }
 
+/// How `dspec bench` measures prefill.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillPlan {
+    /// Prefills timed per prompt after its first call; 0 skips prefill measurement.
+    pub warm_runs: usize,
+    /// Synthetic prompt lengths measured besides the bench prompts.
+    pub synthetic_lengths: Vec<usize>,
+}
+
+/// What `dspec bench` runs, besides the model, drafter and prompts.
+#[derive(Debug, Clone)]
+pub struct BenchSettings {
+    pub max_tokens: usize,
+    pub max_draft: usize,
+    /// Draft lengths chosen per round (`--max-draft auto`), `max_draft` at most.
+    pub adaptive: bool,
+    pub prefill: PrefillPlan,
+}
+
+/// Prefill of one prompt: its first call apart from the warm calls after it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillRow {
+    /// The bench prompt's number (1-based), or `None` for a synthetic prompt.
+    pub prompt: Option<usize>,
+    pub prompt_tokens: usize,
+    /// The first prefill of this prompt in the process: on a GPU it also pays one-off
+    /// costs (kernel JIT, plans built per shape) that later calls do not.
+    pub first_call_seconds: f64,
+    pub first_call_tokens_per_second: f64,
+    /// Every warm prefill's seconds, in the order run.
+    pub warm_seconds: Vec<f64>,
+    pub median_seconds: f64,
+    /// Prompt tokens over the median warm prefill's seconds.
+    pub tokens_per_second: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillReport {
+    pub warm_runs: usize,
+    pub rows: Vec<PrefillRow>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRow {
     pub prompt_tokens: usize,
@@ -95,19 +139,31 @@ pub struct BenchReport {
     /// Tokens committed per target forward over all prompts.
     pub tau: f64,
     pub all_identical: bool,
+    /// Absent when prefill was not measured (`--prefill-runs 0`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<PrefillReport>,
 }
 
 /// Runs every prompt plainly and speculatively (greedy), after one short warm-up of
-/// each so neither side pays first-call costs inside its timing.
+/// each so neither side pays first-call costs inside its timing. Prefill is measured
+/// first, so each prompt's first prefill is its first in the process.
 pub fn run_bench(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
     drafter: &mut dyn Drafter,
     prompts: &[Vec<u32>],
-    max_tokens: usize,
-    max_draft: usize,
-    adaptive: bool,
+    settings: &BenchSettings,
 ) -> Result<BenchReport, EngineError> {
+    let BenchSettings {
+        max_tokens,
+        max_draft,
+        adaptive,
+        ..
+    } = *settings;
+    let prefill = match settings.prefill.warm_runs {
+        0 => None,
+        _ => Some(measure_prefill(model, prompts, &settings.prefill)?),
+    };
     let config = GenerationConfig {
         max_tokens,
         sampling: Default::default(),
@@ -186,12 +242,88 @@ pub fn run_bench(
         speedup: spec_tps / plain_tps.max(1e-9),
         tau: committed as f64 / forwards.max(1) as f64,
         all_identical: rows.iter().all(|r| r.identical),
+        prefill,
         rows,
     })
 }
 
+/// A prompt of exactly `len` real token ids: the bench prompts' ids one after another,
+/// repeated, so long-prompt prefill runs on text-like input rather than one id repeated.
+/// `None` when the prompts hold no ids.
+pub fn synthetic_prompt(prompts: &[Vec<u32>], len: usize) -> Option<Vec<u32>> {
+    let pool = prompts.concat();
+    (!pool.is_empty()).then(|| pool.iter().copied().cycle().take(len).collect())
+}
+
+/// Prefill of every prompt and every synthetic length: once cold (the first call of that
+/// prompt in the process), then `warm_runs` times, of which the median is reported.
+pub fn measure_prefill(
+    model: &dyn TargetModel,
+    prompts: &[Vec<u32>],
+    plan: &PrefillPlan,
+) -> Result<PrefillReport, EngineError> {
+    let limit = model.info().max_context.unwrap_or(usize::MAX);
+    let mut inputs: Vec<(Option<usize>, Vec<u32>)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (Some(i + 1), p.clone()))
+        .collect();
+    // Every length is checked before anything runs: a long bench should not fail late.
+    for &len in &plan.synthetic_lengths {
+        if len == 0 || len > limit {
+            return Err(EngineError::Invalid(format!(
+                "--prefill-lengths: {len} tokens is not a prompt length this model takes (1 to {limit})"
+            )));
+        }
+        let prompt = synthetic_prompt(prompts, len).ok_or_else(|| {
+            EngineError::Invalid("--prefill-lengths needs prompts with tokens to repeat".into())
+        })?;
+        inputs.push((None, prompt));
+    }
+    let time_one = |prompt: &[u32]| -> Result<f64, EngineError> {
+        let mut cache = model.new_cache();
+        let start = Instant::now();
+        // `prefill` evaluates the last logits and the whole cache before returning.
+        prefill(model, &mut cache, prompt)?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let mut rows = Vec::with_capacity(inputs.len());
+    for (number, prompt) in inputs {
+        let first = time_one(&prompt)?;
+        let warm = (0..plan.warm_runs)
+            .map(|_| time_one(&prompt))
+            .collect::<Result<Vec<_>, _>>()?;
+        let median = median(&warm).unwrap_or(first);
+        let rate = |seconds: f64| prompt.len() as f64 / seconds.max(1e-9);
+        rows.push(PrefillRow {
+            prompt: number,
+            prompt_tokens: prompt.len(),
+            first_call_seconds: first,
+            first_call_tokens_per_second: rate(first),
+            warm_seconds: warm,
+            median_seconds: median,
+            tokens_per_second: rate(median),
+        });
+    }
+    Ok(PrefillReport {
+        warm_runs: plan.warm_runs,
+        rows,
+    })
+}
+
+fn median(values: &[f64]) -> Option<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(sorted[n / 2]),
+        _ => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
+    }
+}
+
 impl BenchReport {
-    /// The human-readable table.
+    /// The human-readable tables: decoding, then prefill when it was measured.
     pub fn table(&self) -> String {
         let mut out = format!(
             "{:>3}  {:>7}  {:>9}  {:>9}  {:>9}  {:>7}  {:>5}  {}\n",
@@ -228,6 +360,47 @@ impl BenchReport {
                 "OUTPUTS DIFFER"
             }
         );
+        if let Some(prefill) = &self.prefill {
+            out += &format!(
+                "\nprefill (median of {} warm runs after each prompt's first call)\n",
+                prefill.warm_runs
+            );
+            out += &format!(
+                "{:>9}  {:>7}  {:>12}  {:>11}  {:>9}\n",
+                "prompt", "tokens", "first call s", "warm median", "warm t/s"
+            );
+            for r in &prefill.rows {
+                let name = r.prompt.map_or("synthetic".to_string(), |n| n.to_string());
+                out += &format!(
+                    "{:>9}  {:>7}  {:>12.3}  {:>10.3}s  {:>9.1}\n",
+                    name,
+                    r.prompt_tokens,
+                    r.first_call_seconds,
+                    r.median_seconds,
+                    r.tokens_per_second
+                );
+            }
+        }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_prompts_repeat_the_prompts_ids_to_the_length() {
+        let prompts = vec![vec![1, 2, 3], vec![], vec![4]];
+        assert_eq!(synthetic_prompt(&prompts, 6), Some(vec![1, 2, 3, 4, 1, 2]));
+        assert_eq!(synthetic_prompt(&prompts, 2), Some(vec![1, 2]));
+        assert_eq!(synthetic_prompt(&[vec![]], 4), None);
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
     }
 }
