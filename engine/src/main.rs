@@ -741,8 +741,14 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
         );
         print!("{}", report.table());
     }
-    if !report.all_identical {
-        bail!("speculative and plain greedy outputs differ (see the table): this is a bug in dspec, please report it");
+    if report.real_mismatches > 0 {
+        bail!("speculative and plain greedy outputs differ where rounding cannot explain it (see the table): this is a bug in dspec, please report it");
+    }
+    if report.near_ties > 0 {
+        eprintln!(
+            "note: {} prompt(s) differ only at a near-tie (two logits within rounding of each other), which a batched verify may round the other way",
+            report.near_ties
+        );
     }
     Ok(())
 }

@@ -593,6 +593,11 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     let report = &v["report"];
     assert_eq!(report["rows"].as_array().expect("rows").len(), 3);
     assert_eq!(report["all_identical"], true);
+    assert_eq!(report["real_mismatches"], 0);
+    assert_eq!(report["near_ties"], 0);
+    for row in report["rows"].as_array().expect("rows") {
+        assert!(row["first_difference"].is_null(), "{row}");
+    }
     assert!(report["tau"].as_f64().expect("tau") >= 1.0);
     assert!(report["speedup"].as_f64().expect("speedup") > 0.0);
     // Prefill of each prompt, warm (3 runs by default) with the first call apart.
