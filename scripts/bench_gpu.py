@@ -124,6 +124,14 @@ class MlxLm:
         return rows
 
 
+def difference_position(row):
+    """Where a `dspec bench` row's speculative output first differs from its greedy one:
+    None, or the position (`first_difference` is an object with a near-tie report; older
+    dspec builds wrote the bare position)."""
+    d = row["first_difference"]
+    return d["position"] if isinstance(d, dict) else d
+
+
 def strip_eos(tokens, eos_ids):
     return tokens[:-1] if tokens and tokens[-1] in eos_ids else tokens
 
@@ -169,7 +177,7 @@ def one_pass(args, dm, ng, auto, peer, variants):
         add("dspec", mode, report["rows"],
             lambda r: r["speculative"]["decode_tokens_per_second"],
             lambda r: decoded(r["speculative"]), report["tau"],
-            [r["first_difference"] for r in report["rows"]])
+            [difference_position(r) for r in report["rows"]])
     for label, variant in variants:
         # The same dspec runs with other settings: greedy against the default greedy
         # output when the setting can change plain decoding, speculative against its
@@ -183,7 +191,7 @@ def one_pass(args, dm, ng, auto, peer, variants):
         add("dspec", f"speculative k={args.max_draft}, {label}", rows,
             lambda r: r["speculative"]["decode_tokens_per_second"],
             lambda r: decoded(r["speculative"]), variant["report"]["tau"],
-            [r["first_difference"] for r in rows])
+            [difference_position(r) for r in rows])
     if peer is not None:
         def diffs(key):
             return [same_greedy(r[key], ref, args.max_tokens)

@@ -1,16 +1,20 @@
 //! `dspec bench`: plain greedy decoding and speculative decoding on the same prompts in
-//! one process, so the speedup is a ratio of two runs under the same conditions, and
-//! the two greedy outputs are compared token for token (they must be identical).
+//! one process, so the speedup is a ratio of two runs under the same conditions; prefill
+//! speed measured warm; and where the two greedy outputs differ, whether a rounding tie
+//! explains it.
 
+use std::time::Instant;
+
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{Array, Dtype};
 use serde::Serialize;
 
-use dspec_plugin_api::Drafter;
+use dspec_plugin_api::{Drafter, TargetModel};
 
 use crate::error::EngineError;
-use crate::generate::{generate, GenerationConfig, GenerationStats};
+use crate::generate::{generate, logits_to_host, prefill, GenerationConfig, GenerationStats};
 use crate::speculative::{generate_speculative, Speculation, SpeculativeStats};
 use crate::tokenizer::TextTokenizer;
-use dspec_plugin_api::TargetModel;
 
 /// The prompts `dspec bench` runs without `--prompts`: code, chat, and an edit task
 /// that repeats its input (where prompt lookup shines).
@@ -62,6 +66,72 @@ pub fn read_prompts(path: &std::path::Path) -> Result<Vec<String>, EngineError> 
     Ok(prompts)
 }
 
+/// How `dspec bench` measures prefill.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillPlan {
+    /// Prefills timed per prompt after its first call; 0 skips prefill measurement.
+    pub warm_runs: usize,
+    /// Synthetic prompt lengths measured besides the bench prompts.
+    pub synthetic_lengths: Vec<usize>,
+}
+
+/// What `dspec bench` runs, besides the model, drafter and prompts.
+#[derive(Debug, Clone)]
+pub struct BenchSettings {
+    pub max_tokens: usize,
+    pub max_draft: usize,
+    /// Draft lengths chosen per round (`--max-draft auto`), `max_draft` at most.
+    pub adaptive: bool,
+    pub prefill: PrefillPlan,
+}
+
+/// Prefill of one prompt: its first call apart from the warm calls after it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillRow {
+    /// The bench prompt's number (1-based), or `None` for a synthetic prompt.
+    pub prompt: Option<usize>,
+    pub prompt_tokens: usize,
+    /// The first prefill of this prompt in the process: on a GPU it also pays one-off
+    /// costs (kernel JIT, plans built per shape) that later calls do not.
+    pub first_call_seconds: f64,
+    pub first_call_tokens_per_second: f64,
+    /// Every warm prefill's seconds, in the order run.
+    pub warm_seconds: Vec<f64>,
+    pub median_seconds: f64,
+    /// Prompt tokens over the median warm prefill's seconds.
+    pub tokens_per_second: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PrefillReport {
+    pub warm_runs: usize,
+    pub rows: Vec<PrefillRow>,
+}
+
+/// Where plain and speculative greedy outputs first differ, and the plain target's
+/// logits of both tokens there.
+#[derive(Debug, Clone, Serialize)]
+pub struct FirstDifference {
+    /// Index of the first differing generated token.
+    pub position: usize,
+    /// `None` when that output ended before `position` (one output is a prefix of the other).
+    pub plain_token: Option<u32>,
+    pub speculative_token: Option<u32>,
+    /// The two tokens' logits after the prompt and the common prefix, computed as plain
+    /// decoding computes them (prefill, then one-token steps).
+    pub plain_logit: Option<f32>,
+    pub speculative_logit: Option<f32>,
+    /// `plain_logit - speculative_logit`.
+    pub margin: Option<f32>,
+    /// The logits' dtype, which sets how far apart rounding alone can put two logits.
+    pub logits_dtype: String,
+    /// Largest margin classified as a near-tie; `None` where none is (f32).
+    pub tolerance: Option<f32>,
+    /// The margin is within the logits' rounding: a batched verify rounding differently
+    /// from a one-token step explains the difference. Otherwise a real mismatch.
+    pub near_tie: bool,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRow {
     pub prompt_tokens: usize,
@@ -76,8 +146,8 @@ pub struct BenchRow {
     /// Speculative decode tok/s over plain decode tok/s.
     pub speedup: f64,
     pub identical: bool,
-    /// Index of the first differing generated token, when the outputs differ.
-    pub first_difference: Option<usize>,
+    /// Where the outputs first differ, when they do.
+    pub first_difference: Option<FirstDifference>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -95,19 +165,35 @@ pub struct BenchReport {
     /// Tokens committed per target forward over all prompts.
     pub tau: f64,
     pub all_identical: bool,
+    /// Prompts whose outputs differ only at a near-tie.
+    pub near_ties: usize,
+    /// Prompts whose outputs differ where rounding cannot explain it: a bug.
+    pub real_mismatches: usize,
+    /// Absent when prefill was not measured (`--prefill-runs 0`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<PrefillReport>,
 }
 
 /// Runs every prompt plainly and speculatively (greedy), after one short warm-up of
-/// each so neither side pays first-call costs inside its timing.
+/// each so neither side pays first-call costs inside its timing. Prefill is measured
+/// first, so each prompt's first prefill is its first in the process.
 pub fn run_bench(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
     drafter: &mut dyn Drafter,
     prompts: &[Vec<u32>],
-    max_tokens: usize,
-    max_draft: usize,
-    adaptive: bool,
+    settings: &BenchSettings,
 ) -> Result<BenchReport, EngineError> {
+    let BenchSettings {
+        max_tokens,
+        max_draft,
+        adaptive,
+        ..
+    } = *settings;
+    let prefill = match settings.prefill.warm_runs {
+        0 => None,
+        _ => Some(measure_prefill(model, prompts, &settings.prefill)?),
+    };
     let config = GenerationConfig {
         max_tokens,
         sampling: Default::default(),
@@ -139,15 +225,7 @@ pub fn run_bench(
         };
         let spec =
             generate_speculative(model, tokenizer, prompt, &config, speculation, &mut |_| {})?;
-        let first_difference = plain
-            .tokens
-            .iter()
-            .zip(&spec.tokens)
-            .position(|(a, b)| a != b)
-            .or_else(|| {
-                (plain.tokens.len() != spec.tokens.len())
-                    .then(|| plain.tokens.len().min(spec.tokens.len()))
-            });
+        let first_difference = first_difference(model, prompt, &plain.tokens, &spec.tokens)?;
         rows.push(BenchRow {
             prompt_tokens: prompt.len(),
             prompt_ids: prompt.clone(),
@@ -176,6 +254,7 @@ pub fn run_bench(
         .iter()
         .map(|r| r.drafting.accepted_tokens + r.drafting.target_forwards)
         .sum();
+    let differences = || rows.iter().filter_map(|r| r.first_difference.as_ref());
     Ok(BenchReport {
         drafter: drafter.name().to_string(),
         max_draft,
@@ -186,21 +265,209 @@ pub fn run_bench(
         speedup: spec_tps / plain_tps.max(1e-9),
         tau: committed as f64 / forwards.max(1) as f64,
         all_identical: rows.iter().all(|r| r.identical),
+        near_ties: differences().filter(|d| d.near_tie).count(),
+        real_mismatches: differences().filter(|d| !d.near_tie).count(),
+        prefill,
         rows,
     })
 }
 
+/// A prompt of exactly `len` real token ids: the bench prompts' ids one after another,
+/// repeated, so long-prompt prefill runs on text-like input rather than one id repeated.
+/// `None` when the prompts hold no ids.
+pub fn synthetic_prompt(prompts: &[Vec<u32>], len: usize) -> Option<Vec<u32>> {
+    let pool = prompts.concat();
+    (!pool.is_empty()).then(|| pool.iter().copied().cycle().take(len).collect())
+}
+
+/// Prefill of every prompt and every synthetic length: once cold (the first call of that
+/// prompt in the process), then `warm_runs` times, of which the median is reported.
+pub fn measure_prefill(
+    model: &dyn TargetModel,
+    prompts: &[Vec<u32>],
+    plan: &PrefillPlan,
+) -> Result<PrefillReport, EngineError> {
+    let limit = model.info().max_context.unwrap_or(usize::MAX);
+    let mut inputs: Vec<(Option<usize>, Vec<u32>)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (Some(i + 1), p.clone()))
+        .collect();
+    // Every length is checked before anything runs: a long bench should not fail late.
+    for &len in &plan.synthetic_lengths {
+        if len == 0 || len > limit {
+            return Err(EngineError::Invalid(format!(
+                "--prefill-lengths: {len} tokens is not a prompt length this model takes (1 to {limit})"
+            )));
+        }
+        let prompt = synthetic_prompt(prompts, len).ok_or_else(|| {
+            EngineError::Invalid("--prefill-lengths needs prompts with tokens to repeat".into())
+        })?;
+        inputs.push((None, prompt));
+    }
+    let time_one = |prompt: &[u32]| -> Result<f64, EngineError> {
+        let mut cache = model.new_cache();
+        let start = Instant::now();
+        // `prefill` evaluates the last logits and the whole cache before returning.
+        prefill(model, &mut cache, prompt)?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let mut rows = Vec::with_capacity(inputs.len());
+    for (number, prompt) in inputs {
+        let first = time_one(&prompt)?;
+        let warm = (0..plan.warm_runs)
+            .map(|_| time_one(&prompt))
+            .collect::<Result<Vec<_>, _>>()?;
+        let median = median(&warm).unwrap_or(first);
+        let rate = |seconds: f64| prompt.len() as f64 / seconds.max(1e-9);
+        rows.push(PrefillRow {
+            prompt: number,
+            prompt_tokens: prompt.len(),
+            first_call_seconds: first,
+            first_call_tokens_per_second: rate(first),
+            warm_seconds: warm,
+            median_seconds: median,
+            tokens_per_second: rate(median),
+        });
+    }
+    Ok(PrefillReport {
+        warm_runs: plan.warm_runs,
+        rows,
+    })
+}
+
+fn median(values: &[f64]) -> Option<f64> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(sorted[n / 2]),
+        _ => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
+    }
+}
+
+/// Units in the last place a margin may span and still count as a rounding tie. A
+/// verify and a one-token step compute each logit with a different summation order, so
+/// each of the two logits may land a rounding step away from where the other path puts
+/// it: one ulp on each side.
+pub const NEAR_TIE_ULPS: f32 = 2.0;
+
+/// The largest gap between two logits of magnitude up to `magnitude`, stored as `dtype`,
+/// that rounding alone can explain: [`NEAR_TIE_ULPS`] units in the last place of
+/// `magnitude` in that format. `None` for f32 and wider: dspec's f32 verify and step
+/// compute every logit alike (the CPU backend's batched path is checked bitwise against
+/// one-token decoding), so there speculative greedy must equal plain greedy token for
+/// token and no gap is excused.
+pub fn rounding_tolerance(dtype: Dtype, magnitude: f32) -> Option<f32> {
+    // Explicit mantissa bits, and the smallest normal exponent (below it the spacing is
+    // that of the smallest normals).
+    let (mantissa_bits, min_exponent) = match dtype {
+        Dtype::Bfloat16 => (7, -126),
+        Dtype::Float16 => (10, -14),
+        _ => return None,
+    };
+    let magnitude = magnitude.abs();
+    if !magnitude.is_finite() {
+        return None;
+    }
+    // The binary exponent from the f32 bits: exact, where log2 can round across a power of two.
+    let exponent = (((magnitude.to_bits() >> 23) & 0xff) as i32 - 127).max(min_exponent);
+    Some(NEAR_TIE_ULPS * 2f32.powi(exponent - mantissa_bits))
+}
+
+/// Whether logits `a` and `b` of `dtype` are within rounding of each other.
+pub fn is_near_tie(dtype: Dtype, a: f32, b: f32) -> bool {
+    rounding_tolerance(dtype, a.abs().max(b.abs())).is_some_and(|tol| (a - b).abs() <= tol)
+}
+
+/// Compares plain and speculative greedy outputs of `prompt`; where they differ, runs the
+/// target the way plain decoding does (prefill, then the common prefix one token at a
+/// time) to get both tokens' logits at the first difference and classify it.
+pub fn first_difference(
+    model: &dyn TargetModel,
+    prompt: &[u32],
+    plain: &[u32],
+    speculative: &[u32],
+) -> Result<Option<FirstDifference>, EngineError> {
+    let Some(position) = plain
+        .iter()
+        .zip(speculative)
+        .position(|(a, b)| a != b)
+        .or_else(|| (plain.len() != speculative.len()).then(|| plain.len().min(speculative.len())))
+    else {
+        return Ok(None);
+    };
+    let mut cache = model.new_cache();
+    let mut logits = prefill(model, &mut cache, prompt)?;
+    for &token in &plain[..position] {
+        let step = model.forward(&Array::from_slice(&[token], &[1, 1]), &mut cache, &[])?;
+        logits = step.logits.try_index((.., -1, ..))?;
+        // One step at a time, as plain decoding evaluates them (a graph of the whole
+        // prefix would also grow without bound).
+        logits.eval()?;
+    }
+    let dtype = logits.dtype();
+    let host = logits_to_host(&logits)?;
+    let (plain_token, speculative_token) = (
+        plain.get(position).copied(),
+        speculative.get(position).copied(),
+    );
+    let logit = |t: Option<u32>| t.and_then(|t| host.get(t as usize).copied());
+    let (plain_logit, speculative_logit) = (logit(plain_token), logit(speculative_token));
+    let (margin, tolerance, near_tie) = match (plain_logit, speculative_logit) {
+        (Some(a), Some(b)) => (
+            Some(a - b),
+            rounding_tolerance(dtype, a.abs().max(b.abs())),
+            is_near_tie(dtype, a, b),
+        ),
+        _ => (None, None, false),
+    };
+    Ok(Some(FirstDifference {
+        position,
+        plain_token,
+        speculative_token,
+        plain_logit,
+        speculative_logit,
+        margin,
+        logits_dtype: format!("{dtype:?}"),
+        tolerance,
+        near_tie,
+    }))
+}
+
+impl FirstDifference {
+    /// The table's last column.
+    fn describe(&self) -> String {
+        let what = if self.near_tie { "near-tie" } else { "DIFFER" };
+        let tokens = |t: Option<u32>| t.map_or("end".to_string(), |t| t.to_string());
+        let margin = match (self.margin, self.tolerance) {
+            (Some(m), Some(tol)) => {
+                format!(", margin {m:.4} (tie ≤ {tol:.4}, {})", self.logits_dtype)
+            }
+            (Some(m), None) => format!(", margin {m:.4} ({})", self.logits_dtype),
+            _ => String::new(),
+        };
+        format!(
+            "{what} at token {}: plain {} vs speculative {}{margin}",
+            self.position,
+            tokens(self.plain_token),
+            tokens(self.speculative_token)
+        )
+    }
+}
+
 impl BenchReport {
-    /// The human-readable table.
+    /// The human-readable tables: decoding, then prefill when it was measured.
     pub fn table(&self) -> String {
         let mut out = format!(
             "{:>3}  {:>7}  {:>9}  {:>9}  {:>9}  {:>7}  {:>5}  {}\n",
             "#", "prompt", "generated", "plain t/s", "spec t/s", "speedup", "tau", "greedy outputs"
         );
         for (i, r) in self.rows.iter().enumerate() {
-            let same = match r.first_difference {
+            let same = match &r.first_difference {
                 None => "identical".to_string(),
-                Some(at) => format!("DIFFER at token {at}"),
+                Some(d) => d.describe(),
             };
             out += &format!(
                 "{:>3}  {:>7}  {:>9}  {:>9.1}  {:>9.1}  {:>6.2}x  {:>5.2}  {}\n",
@@ -214,6 +481,11 @@ impl BenchReport {
                 same
             );
         }
+        let overall = match (self.real_mismatches, self.near_ties) {
+            (0, 0) => "identical".to_string(),
+            (0, n) => format!("{n} differ at near-ties only"),
+            (m, _) => format!("OUTPUTS DIFFER ({m} real mismatches)"),
+        };
         out += &format!(
             "all  {:>7}  {:>9}  {:>9.1}  {:>9.1}  {:>6.2}x  {:>5.2}  {}\n",
             "",
@@ -222,12 +494,86 @@ impl BenchReport {
             self.speculative_tokens_per_second,
             self.speedup,
             self.tau,
-            if self.all_identical {
-                "identical"
-            } else {
-                "OUTPUTS DIFFER"
-            }
+            overall
         );
+        if let Some(prefill) = &self.prefill {
+            out += &format!(
+                "\nprefill (median of {} warm runs after each prompt's first call)\n",
+                prefill.warm_runs
+            );
+            out += &format!(
+                "{:>9}  {:>7}  {:>12}  {:>11}  {:>9}\n",
+                "prompt", "tokens", "first call s", "warm median", "warm t/s"
+            );
+            for r in &prefill.rows {
+                let name = r.prompt.map_or("synthetic".to_string(), |n| n.to_string());
+                out += &format!(
+                    "{:>9}  {:>7}  {:>12.3}  {:>10.3}s  {:>9.1}\n",
+                    name,
+                    r.prompt_tokens,
+                    r.first_call_seconds,
+                    r.median_seconds,
+                    r.tokens_per_second
+                );
+            }
+        }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_and_f16_ties_are_two_ulps_of_the_larger_magnitude() {
+        // bf16 keeps 8 significant bits: in [16, 32) a step is 2^(4-7) = 0.125.
+        assert_eq!(rounding_tolerance(Dtype::Bfloat16, 20.0), Some(0.25));
+        assert!(is_near_tie(Dtype::Bfloat16, 20.25, 20.0));
+        assert!(
+            is_near_tie(Dtype::Bfloat16, 20.0, 20.25),
+            "order does not matter"
+        );
+        assert!(!is_near_tie(Dtype::Bfloat16, 20.375, 20.0));
+        // At a power of two the step is that of the larger magnitude's binade.
+        assert_eq!(rounding_tolerance(Dtype::Bfloat16, 32.0), Some(0.5));
+        assert_eq!(rounding_tolerance(Dtype::Bfloat16, 31.875), Some(0.25));
+        // Negative logits: the magnitude counts.
+        assert!(is_near_tie(Dtype::Bfloat16, -3.0, -3.03125));
+        // f16 keeps 11 significant bits: in [16, 32) a step is 2^(4-10).
+        assert_eq!(rounding_tolerance(Dtype::Float16, 20.0), Some(2.0 / 64.0));
+        assert!(is_near_tie(Dtype::Float16, 20.03125, 20.0));
+        assert!(!is_near_tie(Dtype::Bfloat16, 1.0, 0.0));
+        // Tiny magnitudes: the spacing bottoms out at the smallest normals', never 0.
+        assert!(rounding_tolerance(Dtype::Float16, 0.0).is_some_and(|t| t > 0.0));
+        assert!(is_near_tie(Dtype::Bfloat16, 0.0, 0.0));
+    }
+
+    #[test]
+    fn f32_differences_are_never_ties() {
+        assert_eq!(rounding_tolerance(Dtype::Float32, 20.0), None);
+        assert!(!is_near_tie(Dtype::Float32, 20.0, 20.0));
+        assert!(!is_near_tie(
+            Dtype::Float32,
+            20.0 + 16.0 * f32::EPSILON,
+            20.0
+        ));
+        assert!(!is_near_tie(Dtype::Bfloat16, f32::NAN, 1.0));
+        assert!(!is_near_tie(Dtype::Bfloat16, f32::INFINITY, 1.0));
+    }
+
+    #[test]
+    fn synthetic_prompts_repeat_the_prompts_ids_to_the_length() {
+        let prompts = vec![vec![1, 2, 3], vec![], vec![4]];
+        assert_eq!(synthetic_prompt(&prompts, 6), Some(vec![1, 2, 3, 4, 1, 2]));
+        assert_eq!(synthetic_prompt(&prompts, 2), Some(vec![1, 2]));
+        assert_eq!(synthetic_prompt(&[vec![]], 4), None);
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&[]), None);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
     }
 }

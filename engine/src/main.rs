@@ -332,6 +332,14 @@ struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Warm prefills timed per prompt after its first call (reported apart); the median
+    /// is reported. 0 skips prefill measurement.
+    #[arg(long, default_value_t = 3)]
+    prefill_runs: usize,
+    /// Also measure prefill of synthetic prompts of these lengths in tokens (the bench
+    /// prompts' token ids repeated), e.g. 1024,4096,16384.
+    #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
+    prefill_lengths: Vec<usize>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -670,6 +678,9 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if !args.prefill_lengths.is_empty() && args.prefill_runs == 0 {
+        bail!("--prefill-lengths needs --prefill-runs of at least 1");
+    }
     let prompts: Vec<String> = match &args.prompts {
         Some(path) => read_prompts(path)?,
         None => DEFAULT_PROMPTS.iter().map(|p| p.to_string()).collect(),
@@ -692,14 +703,21 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
         .iter()
         .map(|p| encode_prompt(&loaded.tokenizer, p, None, !args.no_chat_template, None))
         .collect::<Result<Vec<_>>>()?;
+    let settings = dspec_engine::bench::BenchSettings {
+        max_tokens: args.max_tokens,
+        max_draft: args.tuning.max_draft.max,
+        adaptive: args.tuning.max_draft.adaptive,
+        prefill: dspec_engine::bench::PrefillPlan {
+            warm_runs: args.prefill_runs,
+            synthetic_lengths: args.prefill_lengths.clone(),
+        },
+    };
     let report = bench_prompts(
         loaded.model.as_ref(),
         &loaded.tokenizer,
         drafter.as_mut(),
         &ids,
-        args.max_tokens,
-        args.tuning.max_draft.max,
-        args.tuning.max_draft.adaptive,
+        &settings,
     )?;
     if args.json {
         let info = loaded.model.info();
@@ -724,8 +742,14 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
         );
         print!("{}", report.table());
     }
-    if !report.all_identical {
-        bail!("speculative and plain greedy outputs differ (see the table): this is a bug in dspec, please report it");
+    if report.real_mismatches > 0 {
+        bail!("speculative and plain greedy outputs differ where rounding cannot explain it (see the table): this is a bug in dspec, please report it");
+    }
+    if report.near_ties > 0 {
+        eprintln!(
+            "note: {} prompt(s) differ only at a near-tie (two logits within rounding of each other), which a batched verify may round the other way",
+            report.near_ties
+        );
     }
     Ok(())
 }

@@ -593,8 +593,84 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     let report = &v["report"];
     assert_eq!(report["rows"].as_array().expect("rows").len(), 3);
     assert_eq!(report["all_identical"], true);
+    assert_eq!(report["real_mismatches"], 0);
+    assert_eq!(report["near_ties"], 0);
+    for row in report["rows"].as_array().expect("rows") {
+        assert!(row["first_difference"].is_null(), "{row}");
+    }
     assert!(report["tau"].as_f64().expect("tau") >= 1.0);
     assert!(report["speedup"].as_f64().expect("speedup") > 0.0);
+    // Prefill of each prompt, warm (3 runs by default) with the first call apart.
+    let prefill = report["prefill"]["rows"].as_array().expect("prefill rows");
+    assert_eq!(prefill.len(), 3);
+    for row in prefill {
+        assert_eq!(row["warm_seconds"].as_array().expect("warm").len(), 3);
+        assert!(row["first_call_seconds"].as_f64().expect("first call") > 0.0);
+    }
+
+    // Synthetic long prompts of the lengths asked for, after the prompts' own rows.
+    let out = dspec(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--max-tokens",
+        "4",
+        "--prefill-lengths",
+        "300,700",
+        "--prefill-runs",
+        "2",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let rows = v["report"]["prefill"]["rows"]
+        .as_array()
+        .expect("prefill rows");
+    let lengths: Vec<(bool, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["prompt"].is_null(),
+                r["prompt_tokens"].as_u64().expect("tokens"),
+            )
+        })
+        .collect();
+    assert_eq!(lengths.len(), 5);
+    assert_eq!(&lengths[3..], [(true, 300), (true, 700)]);
+    assert!(rows
+        .iter()
+        .all(|r| r["warm_seconds"].as_array().map(Vec::len) == Some(2)));
+    let err = dspec_fails(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--prefill-lengths",
+        "4096",
+    ]);
+    assert!(
+        err.contains("--prefill-lengths") && err.contains("4096"),
+        "{err}"
+    );
+    // --prefill-runs 0: no prefill measurement, no key.
+    let out = dspec(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--max-tokens",
+        "4",
+        "--prefill-runs",
+        "0",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(v["report"].get("prefill").is_none(), "{v}");
 
     // The table, with the default prompts.
     let out = dspec(&[
@@ -609,7 +685,7 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     assert!(out.status.success(), "{}", stderr(&out));
     let table = stdout(&out);
     assert!(
-        table.contains("speedup") && table.contains("identical"),
+        table.contains("speedup") && table.contains("identical") && table.contains("prefill"),
         "{table}"
     );
     assert_eq!(
