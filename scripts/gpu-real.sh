@@ -6,7 +6,7 @@
 #   there:  one run per part, carrying [".gpu/chunks/NAME/partNN"] (the parts accumulate while
 #           the machine stays warm), after one run that carried .gpu and .whl.
 # This joins the parts, checks each file's sha256 (fetch-models.sh --sha), converts both
-# with `dspec convert` (bf16) and runs scripts/gpu-bench.sh on them.
+# with `dspec convert` (bf16) and runs scripts/gpu-report.sh on them.
 # Usage: bash scripts/gpu-real.sh [--check] [ARGS for bench_gpu.py...]
 #   --check: convert and run a short dspec-only equality check on whatever has arrived.
 set -euo pipefail
@@ -41,4 +41,4 @@ if [ "${1:-}" = "--check" ]; then
   done
   exit
 fi
-exec bash scripts/gpu-bench.sh "$@"
+exec bash scripts/gpu-report.sh "$MODELS/qwen15" "$MODELS/qwen05" "$@"

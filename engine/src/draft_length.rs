@@ -3,12 +3,12 @@
 //!
 //! A round that drafts k tokens commits on average E(k) = 1 + α + … + α^k tokens, where
 //! α is the chance a draft is kept given the one before it was, and costs
-//! T(k) = draft(k) + verify(k + 1). The best k maximises E(k) / T(k). α, draft(k) and
-//! verify(w) are all measured as the generation goes, because they differ by device and
-//! model: on an H100 a 5-token verify of a 1.5B target cost 1.8× a 1-token one (8.1 ms
-//! against 4.4), so long drafts pay there even at a modest α; the steeper the verify
-//! grows with its width, the better a drafter must be to pay. The choice never affects
-//! *what* is generated (acceptance is lossless for every k), only how fast.
+//! T(k) = draft(k) + verify(k + 1); a round of no drafts is a plain decoding step, which
+//! is pipelined and so costs less than a verify of width 1 (on a GPU bound by the host's
+//! per-operation work, several times less). The best k maximises E(k) / T(k). α, the
+//! plain step, draft(k) and verify(w) are all measured as the generation goes, because
+//! they differ by device and model. The choice never affects *what* is generated
+//! (acceptance is lossless for every k), only how fast.
 
 /// Exponential forgetting per observation, so the estimates follow a text whose
 /// predictability changes (a code block, then prose).
@@ -18,6 +18,11 @@ const WARMUP_ROUNDS: usize = 3;
 /// Every this many rounds, one round tries a neighbour of the best k, so both cost fits
 /// see more than one width and α keeps being measured when k = 0 looks best.
 const PROBE_EVERY: usize = 8;
+/// While probes keep finding that drafting does not pay, the rounds between them double
+/// up to this many: a probe is a synchronous verify amid pipelined plain steps, which on
+/// a GPU can cost several steps, so probing at a fixed rate would keep a run well below
+/// plain decoding's speed.
+const PROBE_EVERY_MAX: usize = 256;
 
 /// Least-squares line `y ≈ a + b·x` over decayed observations.
 #[derive(Debug, Clone, Default)]
@@ -78,9 +83,16 @@ pub struct DraftLength {
     rejected: f64,
     /// Seconds of drafting against tokens drafted (rounds with k > 0).
     draft: LineFit,
-    /// Seconds of verifying against the verified width (k + 1).
+    /// Seconds of verifying against the verified width (k + 1), rounds with drafts.
     verify: LineFit,
+    /// Seconds per plain decoding step (rounds of no drafts). Kept apart from the verify
+    /// line: plain steps are pipelined, a verify is waited on, so a plain step is not a
+    /// verify of width 1.
+    plain: LineFit,
     rounds: usize,
+    /// The round at which the next probe is due, and the current spacing of probes.
+    next_probe: usize,
+    probe_every: usize,
 }
 
 impl DraftLength {
@@ -93,7 +105,10 @@ impl DraftLength {
             rejected: 0.0,
             draft: LineFit::default(),
             verify: LineFit::default(),
+            plain: LineFit::default(),
             rounds: 0,
+            next_probe: PROBE_EVERY,
+            probe_every: PROBE_EVERY,
         }
     }
 
@@ -107,13 +122,21 @@ impl DraftLength {
     fn rate(&self, k: usize) -> Option<f64> {
         let alpha = self.acceptance();
         let tokens: f64 = (0..=k).map(|i| alpha.powi(i as i32)).sum();
-        let draft = if k == 0 {
-            0.0
-        } else {
-            self.draft.predict(k as f64, true)?
-        };
+        if k == 0 {
+            return Some(1.0 / self.plain.predict(1.0, false)?.max(1e-9));
+        }
+        let draft = self.draft.predict(k as f64, true)?;
         let verify = self.verify.predict((k + 1) as f64, false)?;
         Some(tokens / (draft + verify).max(1e-9))
+    }
+
+    /// The length with the best expected rate among `0..=cap` (`cap` while nothing is
+    /// known).
+    fn best(&self, cap: usize) -> usize {
+        (0..=cap)
+            .filter_map(|k| self.rate(k).map(|r| (k, r)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+            .map_or(cap, |(k, _)| k)
     }
 
     /// Drafts to ask for this round, at most `limit` (what may still be committed).
@@ -124,11 +147,12 @@ impl DraftLength {
         if !self.adaptive || self.rounds < WARMUP_ROUNDS {
             return cap;
         }
-        let best = (0..=cap)
-            .filter_map(|k| self.rate(k).map(|r| (k, r)))
-            .max_by(|a, b| a.1.total_cmp(&b.1))
-            .map_or(cap, |(k, _)| k);
-        if !self.rounds.is_multiple_of(PROBE_EVERY) {
+        // What drafting is weighed against: plain decoding's own step, measured once.
+        if self.plain.n < 1e-9 {
+            return 0;
+        }
+        let best = self.best(cap);
+        if self.rounds < self.next_probe {
             return best;
         }
         // A probe: one step up when there is room (k = 0 becomes 1, so α stays
@@ -154,8 +178,19 @@ impl DraftLength {
             self.kept = self.kept * DECAY + kept as f64;
             self.rejected = self.rejected * DECAY + f64::from(u8::from(kept < drafted));
             self.draft.observe(drafted as f64, draft_seconds);
+            self.verify.observe((drafted + 1) as f64, verify_seconds);
+        } else {
+            self.plain.observe(1.0, verify_seconds);
         }
-        self.verify.observe((drafted + 1) as f64, verify_seconds);
+        if self.rounds > self.next_probe {
+            // The probe is in: space the next one out while drafting still does not pay.
+            self.probe_every = if self.best(self.max) == 0 {
+                (self.probe_every * 2).min(PROBE_EVERY_MAX)
+            } else {
+                PROBE_EVERY
+            };
+            self.next_probe = self.rounds + self.probe_every;
+        }
     }
 }
 
@@ -240,15 +275,41 @@ mod tests {
     }
 
     /// Plain steps choose the next round before their own is observed: never-kept
-    /// drafts still stop being drafted, and the probes still come.
+    /// drafts still stop being drafted, and the probes still come, further and further
+    /// apart while they keep finding that drafts do not pay.
     #[test]
     fn choosing_one_round_ahead_keeps_the_plain_steps_and_the_probes() {
-        let ks = simulate_ahead(6, 80, 0.0, 0.005, |w| 0.01 + 0.0001 * w as f64, true);
+        let ks = simulate_ahead(6, 400, 0.0, 0.005, |w| 0.01 + 0.0001 * w as f64, true);
         let tail = &ks[30..];
         assert_eq!(most_common(tail), 0, "{ks:?}");
         assert!(tail.iter().all(|&k| k <= 1), "{ks:?}");
-        let probes = tail.iter().filter(|&&k| k == 1).count();
-        assert!(probes >= tail.len() / PROBE_EVERY - 1, "{ks:?}");
+        let probes: Vec<usize> = (30..ks.len()).filter(|&i| ks[i] == 1).collect();
+        assert!(probes.len() >= 3, "{ks:?}");
+        let gaps: Vec<usize> = probes.windows(2).map(|p| p[1] - p[0]).collect();
+        assert!(
+            gaps.windows(2).all(|g| g[1] >= g[0]),
+            "probes spread out: {gaps:?}"
+        );
+        assert!(gaps.last() > gaps.first(), "probes spread out: {gaps:?}");
+        assert!(
+            probes.len() <= 8,
+            "{} probes in {} rounds",
+            probes.len(),
+            tail.len()
+        );
+    }
+
+    /// Where a verify costs several plain steps (a GPU bound by the host's per-operation
+    /// work), drafting is weighed against the plain step: a draft model as slow per token
+    /// as the target stops drafting even though its drafts are kept, while free drafts
+    /// that are kept often still pay.
+    #[test]
+    fn drafting_is_weighed_against_the_plain_step() {
+        let verify = |w: usize| if w == 1 { 1.0 } else { 3.0 + 0.1 * w as f64 };
+        let dear_drafts = simulate_ahead(8, 200, 0.95, 1.0, verify, true);
+        assert_eq!(most_common(&dear_drafts[50..]), 0, "{dear_drafts:?}");
+        let free_drafts = simulate_ahead(8, 200, 0.95, 0.0, verify, true);
+        assert_eq!(most_common(&free_drafts[50..]), 8, "{free_drafts:?}");
     }
 
     #[test]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# scripts/gpu_report.py ON the GPU machine (no network there), from carried files:
+#   .gpu/            MLX's CUDA libmlx (../shared/gpu/prepare.sh), and .gpu/bench/ with
+#                    dspec.xz (a stripped, xz-compressed release build), tokenizer.json.xz
+#                    and config dirs qwen05/, qwen15/, qwen7b/ (config.json, tokenizer_config.json)
+#   .whl/            the mlx==0.32.2 (cp312) and mlx-lm==0.32.2 wheels
+# Usage: bash scripts/gpu-report.sh TARGET_DIR DRAFT_DIR [ARGS for gpu_report.py...]
+#        bash scripts/gpu-report.sh --random NAME [ARGS...]   random weights of .gpu/bench/NAME's
+#            shapes as the target, of qwen05's as the draft (speed depends on shapes, not values)
+# Results: $OUT/report-*.json and the table on stdout.
+set -euo pipefail
+OUT=${OUT:-/tmp/gpu-report}
+mkdir -p "$OUT"
+eval "$(bash .gpu/setup.sh)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+[ -x /tmp/dspec ] || { xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec; }
+/tmp/dspec --version
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+if [ "$1" = "--random" ]; then
+  name=$2; shift 2
+  for n in "$name" qwen05; do
+    if [ ! -d "/tmp/models-random/$n" ]; then
+      xz -dc .gpu/bench/tokenizer.json.xz > ".gpu/bench/$n/tokenizer.json"
+      python3 scripts/random_weights.py ".gpu/bench/$n" "/tmp/models-random/$n" --seed 0 | tail -1
+    fi
+  done
+  target=/tmp/models-random/$name draft=/tmp/models-random/qwen05
+else
+  target=$1 draft=$2; shift 2
+fi
+python3 scripts/gpu_report.py --dspec /tmp/dspec --target "$target" --draft "$draft" \
+    --json-out "$OUT/report-$(basename "$target").json" "$@" 2> "$OUT/report-$(basename "$target").log"
