@@ -125,8 +125,16 @@ pub struct FirstDifference {
     pub margin: Option<f32>,
     /// The logits' dtype, which sets how far apart rounding alone can put two logits.
     pub logits_dtype: String,
-    /// Largest margin classified as a near-tie; `None` where none is (f32).
+    /// Largest margin classified as a near-tie; `None` where none is (f32): the larger of
+    /// [`NEAR_TIE_ULPS`] units in the last place and twice `path_noise`.
     pub tolerance: Option<f32>,
+    /// How far apart the two ways of computing the same logits land here: the largest
+    /// difference over the vocabulary between this position's logits from one-token
+    /// steps and from a batched forward of the last [`NOISE_PROBE_WIDTH`] positions (a
+    /// verify's way). Rounding differences compound through the layers, so a flip may
+    /// span more than the last rounding step; two logits each off by up to this much
+    /// explain a margin of twice it. `None` where not measured (f32, or too early).
+    pub path_noise: Option<f32>,
     /// The margin is within the logits' rounding: a batched verify rounding differently
     /// from a one-token step explains the difference. Otherwise a real mismatch.
     pub near_tie: bool,
@@ -376,6 +384,9 @@ pub fn rounding_tolerance(dtype: Dtype, magnitude: f32) -> Option<f32> {
     Some(NEAR_TIE_ULPS * 2f32.powi(exponent - mantissa_bits))
 }
 
+/// Positions of the batched forward that measures [`FirstDifference::path_noise`].
+pub const NOISE_PROBE_WIDTH: usize = 4;
+
 /// Whether logits `a` and `b` of `dtype` are within rounding of each other.
 pub fn is_near_tie(dtype: Dtype, a: f32, b: f32) -> bool {
     rounding_tolerance(dtype, a.abs().max(b.abs())).is_some_and(|tol| (a - b).abs() <= tol)
@@ -415,12 +426,17 @@ pub fn first_difference(
     );
     let logit = |t: Option<u32>| t.and_then(|t| host.get(t as usize).copied());
     let (plain_logit, speculative_logit) = (logit(plain_token), logit(speculative_token));
+    let path_noise = match rounding_tolerance(dtype, 1.0) {
+        Some(_) if position >= 2 => Some(path_noise(model, prompt, &plain[..position], &host)?),
+        _ => None,
+    };
     let (margin, tolerance, near_tie) = match (plain_logit, speculative_logit) {
-        (Some(a), Some(b)) => (
-            Some(a - b),
-            rounding_tolerance(dtype, a.abs().max(b.abs())),
-            is_near_tie(dtype, a, b),
-        ),
+        (Some(a), Some(b)) => {
+            let tolerance = rounding_tolerance(dtype, a.abs().max(b.abs()))
+                .map(|t| t.max(2.0 * path_noise.unwrap_or(0.0)));
+            let near_tie = tolerance.is_some_and(|t| (a - b).abs() <= t);
+            (Some(a - b), tolerance, near_tie)
+        }
         _ => (None, None, false),
     };
     Ok(Some(FirstDifference {
@@ -432,8 +448,36 @@ pub fn first_difference(
         margin,
         logits_dtype: format!("{dtype:?}"),
         tolerance,
+        path_noise,
         near_tie,
     }))
+}
+
+/// The largest difference between `stepped` (the logits after `prefix`, from one-token
+/// steps) and the same logits from a batched forward over the last positions of `prefix`.
+fn path_noise(
+    model: &dyn TargetModel,
+    prompt: &[u32],
+    prefix: &[u32],
+    stepped: &[f32],
+) -> Result<f32, EngineError> {
+    let start = prefix.len().saturating_sub(NOISE_PROBE_WIDTH);
+    let mut context = prompt.to_vec();
+    context.extend_from_slice(&prefix[..start]);
+    let mut cache = model.new_cache();
+    prefill(model, &mut cache, &context)?;
+    let tail = &prefix[start..];
+    let out = model.forward(
+        &Array::from_slice(tail, &[1, tail.len() as i32]),
+        &mut cache,
+        &[],
+    )?;
+    let batched = logits_to_host(&out.logits.try_index((.., -1, ..))?)?;
+    Ok(stepped
+        .iter()
+        .zip(&batched)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max))
 }
 
 impl FirstDifference {
