@@ -249,9 +249,6 @@ def main():
                     help="alternating passes of both engines; lines report the median")
     ap.add_argument("--no-auto", action="store_true",
                     help="skip dspec's adaptive draft length (--max-draft auto) line")
-    ap.add_argument("--kernels-too", action="store_true",
-                    help="also run dspec greedy and draft-model speculative decoding with "
-                         "its own CUDA kernels (DSPEC_CUDA_KERNELS=1)")
     ap.add_argument("--ahead-off-too", action="store_true",
                     help="also run draft-model speculative decoding with --draft-ahead off "
                          "(the draft model on the engine's thread, drafting only when asked)")
@@ -264,8 +261,6 @@ def main():
 
     # Extra dspec lines: (label, extra arguments, extra environment, greedy line too).
     variant_specs = []
-    if args.kernels_too:
-        variant_specs.append(("CUDA kernels", [], {"DSPEC_CUDA_KERNELS": "1"}, True))
     if args.ahead_off_too:
         variant_specs.append(("draft-ahead off", ["--draft-ahead", "off"], {}, False))
     if args.eager_too:

@@ -4,7 +4,7 @@
 # weights of the Qwen2.5-Coder 1.5B/0.5B shapes (speed depends on shapes, not values).
 # Writes to $OUT: plain.json (generate --json: decode breakdown into building, queueing
 # and waiting), spec.json and trace.jsonl (draft and verify ms per round).
-# Usage: bash scripts/gpu-profile.sh [MAX_TOKENS]   (DSPEC_CUDA_KERNELS=1 is passed on)
+# Usage: bash scripts/gpu-profile.sh [MAX_TOKENS]
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-profile}
 mkdir -p "$OUT"

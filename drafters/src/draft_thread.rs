@@ -26,6 +26,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::{Array, Dtype};
 
+use dspec_adapters::attention::WHOLE_BUFFER_MAX_TOKENS;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{DraftAhead, ModelCache, TargetModel};
 
@@ -434,7 +435,15 @@ impl Chain {
             }
             logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?
         } else {
-            self.step(&Array::from_slice(rest, &[1, rest.len() as i32]))?
+            // In pieces no longer than a continuation that attends over the whole cache
+            // buffer: on CUDA a forward of any other length after the cache builds a
+            // cuDNN graph for its shape, and catching up after a run of plain steps (or
+            // a long accept) comes in every length. Only the last piece's logits are used.
+            let mut logits = None;
+            for piece in rest.chunks(WHOLE_BUFFER_MAX_TOKENS as usize) {
+                logits = Some(self.step(&Array::from_slice(piece, &[1, piece.len() as i32]))?);
+            }
+            logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?
         };
         self.fed = want.len();
         self.push_argmax(&logits)?;
