@@ -420,9 +420,16 @@ impl Chain {
         }
         self.resolve()?;
         // At least the last token is fed again: its logits are what is asked for.
-        let keep = common_prefix(&self.host, want)
+        let mut keep = common_prefix(&self.host, want)
             .min(self.fed)
             .min(want.len() - 1);
+        // A long catch-up goes in pieces of one width (see below): a few cached tokens
+        // are fed again so that the pieces fill it exactly.
+        let piece = WHOLE_BUFFER_MAX_TOKENS as usize;
+        let rest_len = want.len() - keep;
+        if rest_len > piece {
+            keep -= ((piece - rest_len % piece) % piece).min(keep);
+        }
         self.cache.trim(self.fed - keep);
         self.fed = keep;
         self.host = want.to_vec();
@@ -435,12 +442,12 @@ impl Chain {
             }
             logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?
         } else {
-            // In pieces no longer than a continuation that attends over the whole cache
-            // buffer: on CUDA a forward of any other length after the cache builds a
-            // cuDNN graph for its shape, and catching up after a run of plain steps (or
-            // a long accept) comes in every length. Only the last piece's logits are used.
+            // In pieces of the longest continuation that attends over the whole cache
+            // buffer: on CUDA a forward of any other shape after the cache builds a
+            // cuDNN graph for it, and catching up after a run of plain steps comes in
+            // every length. Only the last piece's logits are used.
             let mut logits = None;
-            for piece in rest.chunks(WHOLE_BUFFER_MAX_TOKENS as usize) {
+            for piece in rest.chunks(piece) {
                 logits = Some(self.step(&Array::from_slice(piece, &[1, piece.len() as i32]))?);
             }
             logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?
@@ -546,6 +553,32 @@ mod tests {
             .enumerate()
             .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
         best.0 as u32
+    }
+
+    /// A long catch-up (a run of plain steps committed at once) goes in pieces of one
+    /// width, feeding a few cached tokens again: the drafts after it are the ones a
+    /// thread that read the whole sequence as its prompt makes.
+    #[test]
+    fn a_long_catch_up_drafts_what_reading_it_whole_does() {
+        let dir = model_dir(23);
+        let committed: Vec<u32> = (0..75).map(|i| (i * 29 + 7) % 97).collect();
+        let mut caught_up = spawn(&dir, DraftAhead::Off);
+        caught_up.draft(vec![35], 2).expect("a first round");
+        let drafts = caught_up
+            .draft(committed.clone(), 4)
+            .expect("after the run")
+            .tokens;
+
+        let mut whole = spawn_unstarted(&dir, DraftAhead::Off);
+        let mut prompt = PROMPT.to_vec();
+        prompt.push(35);
+        prompt.extend_from_slice(&committed[..committed.len() - 1]);
+        whole.begin(&prompt).expect("begin");
+        let expected = whole
+            .draft(vec![committed[committed.len() - 1]], 4)
+            .expect("whole")
+            .tokens;
+        assert_eq!(drafts, expected);
     }
 
     /// Drafts are the model's greedy tokens after the committed sequence whether or not
