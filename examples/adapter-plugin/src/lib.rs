@@ -95,9 +95,10 @@ impl Phi3Attention {
             .forward(&heads(q_end..k_end, self.kv_heads)?, offset)?;
         let v = heads(k_end..k_end + self.kv_heads * self.head_dim, self.kv_heads)?;
         let (keys, values) = cache.update_and_fetch(&k, &v)?;
-        let out = scaled_dot_product_attention(&q, &keys, &values, self.scale, mask.for_sdpa(), None)?
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, len, self.heads * self.head_dim])?;
+        let out =
+            scaled_dot_product_attention(&q, &keys, &values, self.scale, mask.for_sdpa(), None)?
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, len, self.heads * self.head_dim])?;
         self.o.forward(&out)
     }
 }
@@ -240,10 +241,9 @@ impl TargetModel for Phi3 {
         let mut tapped = TapCollector::new(taps, self.layers.len());
         for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
         {
-            let attn =
-                layer
-                    .attn
-                    .forward(&layer.input_norm.forward(&h)?, layer_cache, &mask)?;
+            let attn = layer
+                .attn
+                .forward(&layer.input_norm.forward(&h)?, layer_cache, &mask)?;
             let x = h.add(attn)?;
             h = x.add(layer.mlp.forward(&layer.post_attn_norm.forward(&x)?)?)?;
             tapped.offer(i, &h);
