@@ -155,7 +155,7 @@ pub struct LoadOptions {
     /// Run short continuations of a cached sequence (speculative verify) position by
     /// position through the same kernels as one-token decoding, so that their logits are
     /// bitwise those of plain decoding even where batched kernels round differently
-    /// (CUDA, bf16). Costs weight reads per position, cheap on a GPU and dear on a CPU.
+    /// (CUDA, bf16). Opt-in (`--verify exact`): it reads the weights once per position.
     pub rowwise_verify: bool,
 }
 
