@@ -105,6 +105,16 @@ impl WholeBufferBias {
 /// Longest continuation of a cached sequence that attends over the whole cache buffer.
 pub const WHOLE_BUFFER_MAX_TOKENS: i32 = 32;
 
+/// The width a short continuation of `len` positions runs at when it attends over the
+/// whole buffer: padded up to the longest, so that a backend that builds a plan per
+/// query length (cuDNN on CUDA) builds one per capacity, not one per verify width and
+/// catch-up length. On CUDA a short forward's cost barely depends on its width
+/// (docs/benchmarks.md, verify cost per width), while each new plan costs about as much
+/// as dozens of decode steps.
+pub fn padded_continuation(len: i32) -> i32 {
+    len.max(WHOLE_BUFFER_MAX_TOKENS)
+}
+
 /// Whether attention over the whole cache buffer pays on this backend, for a short
 /// continuation of a cached sequence (a speculative verify, typically: see
 /// [`is_short_continuation`]), over MLX's causal mode on the written keys.

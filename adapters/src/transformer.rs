@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::{broadcast_to, concatenate};
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
@@ -10,8 +12,8 @@ use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
 use crate::attention::{
-    attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention,
-    AttentionSpec, Mask,
+    attention_mask, is_short_continuation, padded_continuation, whole_buffer_mask,
+    whole_buffer_pays, Attention, AttentionSpec, Mask,
 };
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
 
@@ -242,8 +244,28 @@ impl TargetModel for Decoder {
         taps: &[usize],
     ) -> Result<ForwardOutput> {
         check_forward_args(tokens, cache, taps, self.layers.len())?;
-        let len = tokens.shape()[1];
         let offset = cache.offset() as i32;
+        let asked = tokens.shape()[1];
+        // A continuation over the whole buffer runs padded to a fixed width (repeats of
+        // its last token, after the real ones so they change nothing before them); the
+        // padding's outputs are cut and its cache positions trimmed below.
+        let padded = (self.whole_buffer
+            && !(self.rowwise_verify && asked <= MAX_ROWWISE_TOKENS)
+            && is_short_continuation(offset, asked))
+        .then(|| padded_continuation(asked))
+        .filter(|&width| width > asked);
+        let tokens = match padded {
+            Some(width) => {
+                let last = tokens.try_index((.., asked - 1..))?;
+                concatenate(
+                    &[tokens.clone(), broadcast_to(&last, &[1, width - asked])?],
+                    1,
+                )?
+            }
+            None => tokens.clone(),
+        };
+        let tokens = &tokens;
+        let len = tokens.shape()[1];
         let hidden_size = self.info.hidden_size as i32;
         // A short continuation of a cached sequence (a speculative verify) runs in the
         // row layout, each position through the one-token kernels: see `is_row_layout`.
@@ -292,8 +314,13 @@ impl TargetModel for Decoder {
                 tapped.offer(i, &as_sequence(&h)?);
             }
         }
-        let logits = as_sequence(&self.lm_head(&self.final_norm(&h)?)?)?;
-        let hidden = tapped.finish()?;
+        let mut logits = as_sequence(&self.lm_head(&self.final_norm(&h)?)?)?;
+        let mut hidden = tapped.finish()?;
+        if let Some(width) = padded {
+            logits = logits.try_index((.., ..asked, ..))?;
+            hidden = hidden.map(|h| h.try_index((.., ..asked, ..))).transpose()?;
+            cache.trim((width - asked) as usize);
+        }
         Ok(ForwardOutput { logits, hidden })
     }
 
@@ -394,9 +421,10 @@ mod tests {
         }
     }
 
-    /// Attention over the whole cache buffer (CUDA's verify path) computes what the
-    /// causal path over the written keys does, with stale keys left past the offset by a
-    /// trim, with and without a sliding window that cuts into the continuation.
+    /// Attention over the whole cache buffer (CUDA's verify path, padded to a fixed
+    /// width) computes what the causal path over the written keys does, with stale keys
+    /// left past the offset by a trim, with and without a sliding window that cuts into
+    /// the continuation.
     #[test]
     fn whole_buffer_continuations_equal_causal_ones() {
         use super::Decoder;
@@ -405,7 +433,7 @@ mod tests {
 
         let config: serde_json::Value = serde_json::from_str(TINY_LLAMA).expect("config");
         let dir = std::path::Path::new(".");
-        let tokens: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 97).collect();
+        let tokens: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 97).collect();
         let ids = |t: &[u32]| Array::from_slice(t, &[1, t.len() as i32]);
         for window in [None, Some(6)] {
             let run = |whole_buffer: bool| -> Vec<f32> {
@@ -421,15 +449,29 @@ mod tests {
                 model
                     .forward(&ids(&tokens[9..13]), &mut cache, &[])
                     .expect("round");
+                // Padding (on the whole-buffer path) leaves no positions behind.
+                assert_eq!(cache.offset(), 13);
                 assert_eq!(cache.trim(3), 3);
-                let logits = model
+                let mut logits = model
                     .forward(&ids(&tokens[10..16]), &mut cache, &[])
                     .expect("verify")
-                    .logits;
-                logits.as_slice::<f32>().to_vec()
+                    .logits
+                    .as_slice::<f32>()
+                    .to_vec();
+                assert_eq!(cache.offset(), 16);
+                // A longer continuation, padded the same way.
+                let wide = model
+                    .forward(&ids(&tokens[16..36]), &mut cache, &[1])
+                    .expect("catch-up");
+                assert_eq!(cache.offset(), 36);
+                let tapped = wide.hidden.expect("the tapped layer's hidden states");
+                assert_eq!(tapped.shape()[1], 20, "taps cover the real positions only");
+                let wide = wide.logits;
+                logits.extend_from_slice(wide.as_slice::<f32>());
+                logits
             };
             let (whole, causal) = (run(true), run(false));
-            assert_eq!(whole.len(), 6 * 97);
+            assert_eq!(whole.len(), (6 + 20) * 97);
             let worst = whole
                 .iter()
                 .zip(&causal)

@@ -32,14 +32,16 @@ pub struct DraftModelDrafter {
 
 impl DraftModelDrafter {
     /// `ahead`: whether to keep drafting while the target verifies (see
-    /// [`crate::draft_thread`]).
+    /// [`crate::draft_thread`]); `max_new_tokens`: what a generation may add after its
+    /// prompt, when known.
     pub fn new(
         model: Box<dyn TargetModel>,
         target_vocab: usize,
         ahead: DraftAhead,
+        max_new_tokens: Option<usize>,
     ) -> Result<Self> {
         Ok(Self {
-            thread: DraftThread::spawn(model, target_vocab, ahead)?,
+            thread: DraftThread::spawn(model, target_vocab, ahead, max_new_tokens)?,
             unsent: Vec::new(),
             sent_last: false,
             target_vocab,
@@ -142,6 +144,7 @@ fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
         model,
         request.target.vocab_size,
         ahead,
+        request.options.max_new_tokens,
     )?))
 }
 
@@ -184,7 +187,7 @@ mod tests {
         let load = || load_dir(dir.path(), &LoadOptions::default()).expect("load");
         let target = load();
         let t = target.as_ref();
-        let drafter = || DraftModelDrafter::new(load(), 97, DraftAhead::Off).expect("spawn");
+        let drafter = || DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn");
 
         let (mut batched, mut fresh) = (drafter(), drafter());
         batched.begin(t, &[3, 14, 15], None).unwrap();

@@ -26,7 +26,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::{Array, Dtype};
 
-use dspec_adapters::attention::WHOLE_BUFFER_MAX_TOKENS;
+use dspec_adapters::attention::{whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS};
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{DraftAhead, ModelCache, TargetModel};
 
@@ -108,14 +108,26 @@ fn warm_up(model: &dyn TargetModel) -> Result<()> {
 impl DraftThread {
     /// Moves `model`, loaded on this thread, onto its own. `vocab`: logits are cut to
     /// this many entries. `ahead`: whether to draft past what was asked while idle.
-    pub fn spawn(model: Box<dyn TargetModel>, vocab: usize, ahead: DraftAhead) -> Result<Self> {
+    /// `max_new_tokens`: what a generation may add after its prompt, when known.
+    pub fn spawn(
+        model: Box<dyn TargetModel>,
+        vocab: usize,
+        ahead: DraftAhead,
+        max_new_tokens: Option<usize>,
+    ) -> Result<Self> {
         warm_up(model.as_ref())?;
         let (requests, inbox) = channel();
         let (outbox, replies) = channel();
         let vocab = vocab.min(model.info().vocab_size) as i32;
         let handle = std::thread::Builder::new()
             .name("dspec-draft".into())
-            .spawn(move || serve(Chain::new(model, vocab, ahead), inbox, outbox))
+            .spawn(move || {
+                serve(
+                    Chain::new(model, vocab, ahead, max_new_tokens),
+                    inbox,
+                    outbox,
+                )
+            })
             .map_err(|e| {
                 ModelError::Unsupported(format!("starting the draft model's thread: {e}"))
             })?;
@@ -254,10 +266,17 @@ struct Chain {
     kept_all: f64,
     /// A failure while drafting ahead, reported with the next request.
     failed: Option<ModelError>,
+    /// Positions a generation may add after its prompt, when known.
+    max_new_tokens: Option<usize>,
 }
 
 impl Chain {
-    fn new(model: Box<dyn TargetModel>, vocab: i32, ahead: DraftAhead) -> Self {
+    fn new(
+        model: Box<dyn TargetModel>,
+        vocab: i32,
+        ahead: DraftAhead,
+        max_new_tokens: Option<usize>,
+    ) -> Self {
         let cache = model.new_cache();
         Self {
             model,
@@ -273,6 +292,7 @@ impl Chain {
             last_drafts: Vec::new(),
             kept_all: 1.0,
             failed: None,
+            max_new_tokens,
         }
     }
 
@@ -368,6 +388,12 @@ impl Chain {
         self.committed = None;
         self.last_drafts.clear();
         self.cache = self.model.new_cache();
+        if let Some(room) = self.max_new_tokens.filter(|_| whole_buffer_pays()) {
+            // One buffer length for the whole generation (drafting ahead and a padded
+            // continuation included): on CUDA each length means new attention plans.
+            self.cache
+                .reserve(prompt.len() + room + 2 * WHOLE_BUFFER_MAX_TOKENS as usize);
+        }
         self.lazy.clear();
         for chunk in prompt.chunks(PREFILL_CHUNK) {
             let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
@@ -420,16 +446,10 @@ impl Chain {
         }
         self.resolve()?;
         // At least the last token is fed again: its logits are what is asked for.
-        let mut keep = common_prefix(&self.host, want)
+        let keep = common_prefix(&self.host, want)
             .min(self.fed)
             .min(want.len() - 1);
-        // A long catch-up goes in pieces of one width (see below): a few cached tokens
-        // are fed again so that the pieces fill it exactly.
         let piece = WHOLE_BUFFER_MAX_TOKENS as usize;
-        let rest_len = want.len() - keep;
-        if rest_len > piece {
-            keep -= ((piece - rest_len % piece) % piece).min(keep);
-        }
         self.cache.trim(self.fed - keep);
         self.fed = keep;
         self.host = want.to_vec();
@@ -442,10 +462,11 @@ impl Chain {
             }
             logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?
         } else {
-            // In pieces of the longest continuation that attends over the whole cache
-            // buffer: on CUDA a forward of any other shape after the cache builds a
-            // cuDNN graph for it, and catching up after a run of plain steps comes in
-            // every length. Only the last piece's logits are used.
+            // In pieces no longer than a continuation that attends over the whole cache
+            // buffer, where the model pads each to a fixed width: on CUDA a forward of
+            // any other shape after the cache builds a cuDNN graph for it, and catching
+            // up after a run of plain steps comes in every length. Only the last
+            // piece's logits are used.
             let mut logits = None;
             for piece in rest.chunks(piece) {
                 logits = Some(self.step(&Array::from_slice(piece, &[1, piece.len() as i32]))?);
@@ -529,7 +550,7 @@ mod tests {
 
     fn spawn_unstarted(dir: &tempfile::TempDir, ahead: DraftAhead) -> DraftThread {
         let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
-        DraftThread::spawn(model, 97, ahead).expect("spawn")
+        DraftThread::spawn(model, 97, ahead, None).expect("spawn")
     }
 
     /// A thread that has read [`PROMPT`].
@@ -555,9 +576,9 @@ mod tests {
         best.0 as u32
     }
 
-    /// A long catch-up (a run of plain steps committed at once) goes in pieces of one
-    /// width, feeding a few cached tokens again: the drafts after it are the ones a
-    /// thread that read the whole sequence as its prompt makes.
+    /// A long catch-up (a run of plain steps committed at once) goes in pieces: the
+    /// drafts after it are the ones a thread that read the whole sequence as its prompt
+    /// makes.
     #[test]
     fn a_long_catch_up_drafts_what_reading_it_whole_does() {
         let dir = model_dir(23);

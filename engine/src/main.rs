@@ -101,6 +101,30 @@ struct ConvertArgs {
     /// Store linear and embedding weights MLX-quantized (group size 64).
     #[arg(long, value_parser = ["4", "8"])]
     quantize: Option<String>,
+    /// Start a new output shard once one holds this much: bytes, or with a KB, MB or GB
+    /// suffix (powers of 1000). Several shards get Hugging Face's names
+    /// (model-00001-of-00002.safetensors) and an index, so mlx-lm and transformers load them.
+    #[arg(long, value_name = "SIZE", default_value = "2GB", value_parser = parse_byte_size)]
+    max_shard_size: u64,
+}
+
+/// `123`, `64KB`, `500MB`, `2GB` → bytes.
+fn parse_byte_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let upper = t.to_ascii_uppercase();
+    let (digits, unit) = match ["KB", "MB", "GB"].iter().position(|u| upper.ends_with(u)) {
+        Some(i) => (&t[..t.len() - 2], 1000u64.pow(i as u32 + 1)),
+        None => (t, 1),
+    };
+    digits
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            format!("'{s}' is not a size: write bytes or a number with KB, MB or GB, e.g. 2GB")
+        })
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -284,7 +308,7 @@ fn parse_draft_length(s: &str) -> std::result::Result<DraftLengthArg, String> {
 }
 
 impl DraftTuning {
-    fn options(&self, target_dtype: Dtype) -> Result<DrafterOptions> {
+    fn options(&self, target_dtype: Dtype, max_new_tokens: usize) -> Result<DrafterOptions> {
         if self.ngram == 0 {
             bail!("--ngram must be at least 1");
         }
@@ -307,6 +331,7 @@ impl DraftTuning {
                 "eager" => Some(DraftAhead::Eager),
                 _ => None,
             },
+            max_new_tokens: Some(max_new_tokens),
         })
     }
 }
@@ -594,7 +619,9 @@ fn run_generate(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
             None,
         ),
         Some(spec) => {
-            let drafter_options = args.tuning.options(loaded.model.info().dtype)?;
+            let drafter_options = args
+                .tuning
+                .options(loaded.model.info().dtype, args.max_tokens)?;
             let mut drafter = load_drafter(spec, &loaded, &registry, &options, &drafter_options)
                 .with_context(|| format!("loading --drafter {spec}"))?;
             let mut trace_file = match &args.trace {
@@ -690,7 +717,9 @@ fn run_bench(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
     let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json;
     let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
-    let drafter_options = args.tuning.options(loaded.model.info().dtype)?;
+    let drafter_options = args
+        .tuning
+        .options(loaded.model.info().dtype, args.max_tokens)?;
     let mut drafter = load_drafter(
         &args.drafter,
         &loaded,
@@ -857,6 +886,7 @@ fn run_convert(args: ConvertArgs) -> Result<()> {
             Some(bits) => Some(bits.parse().context("--quantize takes 4 or 8")?),
             None => None,
         },
+        max_shard_bytes: usize::try_from(args.max_shard_size).unwrap_or(usize::MAX),
     };
     let bar = if std::io::stderr().is_terminal() {
         indicatif::ProgressBar::new(0)

@@ -19,6 +19,7 @@ use mlx_rs::transforms::async_eval;
 use mlx_rs::Array;
 use serde::Serialize;
 
+use dspec_adapters::attention::{whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS};
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
@@ -429,13 +430,28 @@ pub fn generate_speculative(
         context_left: context_limit - prompt.len(),
     };
     let mut cache = model.new_cache();
+    if whole_buffer_pays() {
+        // One buffer length for the whole generation (padded verifies included): on
+        // CUDA every buffer length means new attention plans for the verify.
+        cache.reserve(
+            (prompt.len() + config.max_tokens).min(context_limit)
+                + 2 * WHOLE_BUFFER_MAX_TOKENS as usize,
+        );
+    }
 
     let start = Instant::now();
+    // The drafter reads the prompt too (a draft model prefills its own cache): that is
+    // prompt processing, timed with the target's, as mlx-lm times its draft model's. A
+    // drafter that needs none of the target's hidden states starts first, so a draft
+    // model on its own thread reads the prompt while the target does.
+    if taps.is_empty() {
+        drafter.begin(model, prompt, None)?;
+    }
     let (logits, prompt_hidden) = prefill_with_taps(model, &mut cache, prompt, &taps)?;
     let last = token_value(&pick_next(sampler.as_mut(), &logits)?)?;
-    // The drafter reads the prompt too (a draft model prefills its own cache): that is
-    // prompt processing, timed with the target's, as mlx-lm times its draft model's.
-    drafter.begin(model, prompt, prompt_hidden.as_ref())?;
+    if !taps.is_empty() {
+        drafter.begin(model, prompt, prompt_hidden.as_ref())?;
+    }
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 

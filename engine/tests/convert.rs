@@ -277,6 +277,52 @@ fn gguf_round_trip_reproduces_the_model() {
             "{arch}: converted model differs by {max_diff}"
         );
 
+        // Split into several shards: Hugging Face's names, an index naming exactly them,
+        // and the same model.
+        let sharded = tmp.path().join("sharded");
+        let run = Command::new(env!("CARGO_BIN_EXE_dspec"))
+            .args(["convert", gguf.to_str().unwrap(), sharded.to_str().unwrap()])
+            .args(["--dtype", "f32", "--max-shard-size", "8KB"])
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{arch} sharded: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let mut shards: Vec<String> = std::fs::read_dir(&sharded)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect();
+        shards.sort();
+        let n = shards.len();
+        assert!(
+            n > 1,
+            "{arch}: 8KB shards should make several, got {shards:?}"
+        );
+        let expected: Vec<String> = (1..=n)
+            .map(|i| format!("model-{i:05}-of-{n:05}.safetensors"))
+            .collect();
+        assert_eq!(shards, expected, "{arch}");
+        let index: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(sharded.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        let mut named: Vec<String> = index["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect();
+        named.sort();
+        named.dedup();
+        assert_eq!(
+            named, expected,
+            "{arch}: the index names exactly the shards"
+        );
+        assert_eq!(logits_of(&sharded), got, "{arch}: sharded output differs");
+
         // Quantized output loads and stays close to the float model.
         let q8 = tmp.path().join("q8");
         let run = Command::new(env!("CARGO_BIN_EXE_dspec"))
@@ -351,4 +397,22 @@ fn unsupported_architecture_and_non_gguf_files_are_clear_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("x.gguf") && !err.contains("panicked"), "{err}");
+
+    for bad in ["2XB", "0", "-5MB", "MB"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_dspec"))
+            .args([
+                "convert",
+                gguf.to_str().unwrap(),
+                tmp.path().join("o3").to_str().unwrap(),
+            ])
+            .arg(format!("--max-shard-size={bad}"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert!(
+            err.contains("--max-shard-size") && err.contains("not a size"),
+            "{bad}: {err}"
+        );
+    }
 }

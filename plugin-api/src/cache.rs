@@ -22,6 +22,8 @@ pub struct KvCache {
     keys: Option<Array>,
     values: Option<Array>,
     offset: i32,
+    /// Positions the first allocation covers at least ([`KvCache::reserve`]).
+    reserved: usize,
 }
 
 impl KvCache {
@@ -32,6 +34,13 @@ impl KvCache {
     /// Number of valid positions (the position of the next token written).
     pub fn offset(&self) -> usize {
         self.offset as usize
+    }
+
+    /// Sizes the next allocation for at least `positions` (rounded up as growth is), so
+    /// that a generation whose length is known ahead keeps one buffer length: on CUDA
+    /// every buffer length means new attention plans (see [`KvCache::capacity_for`]).
+    pub fn reserve(&mut self, positions: usize) {
+        self.reserved = self.reserved.max(positions);
     }
 
     /// Allocated positions.
@@ -88,6 +97,7 @@ impl KvCache {
         if end <= current {
             return current;
         }
+        let end = end.max(self.reserved);
         let mut capacity = (current.max(GROWTH_STEP as usize)).max(1);
         while capacity < end {
             capacity *= 2;
@@ -187,6 +197,12 @@ impl ModelCache {
         }
     }
 
+    /// Sizes every layer's next allocation for at least `positions` ([`KvCache::reserve`]);
+    /// an external cache manages its own memory and is left alone.
+    pub fn reserve(&mut self, positions: usize) {
+        self.layers.iter_mut().for_each(|l| l.reserve(positions));
+    }
+
     /// Drops the last `n` positions from every layer.
     pub fn trim(&mut self, n: usize) -> usize {
         match &mut self.external {
@@ -254,6 +270,30 @@ mod tests {
         assert_eq!(cache.capacity(), 2 * GROWTH_STEP as usize);
         let expected = concatenate(&[a, b], 2).unwrap();
         assert!(k.all_close(&expected, 0.0, 0.0, None).unwrap());
+    }
+
+    #[test]
+    fn a_reservation_sizes_the_first_allocation() {
+        let step = GROWTH_STEP as usize;
+        let mut cache = KvCache::new();
+        cache.reserve(3 * step);
+        assert_eq!(cache.capacity_for(1), 4 * step, "rounded up as growth is");
+        let a = kv(10, 9);
+        let (k, _) = cache.update_and_fetch(&a, &a).unwrap();
+        assert_eq!(cache.capacity(), 4 * step);
+        assert_eq!(
+            k.shape(),
+            &[1, 2, 10, 4],
+            "only the written positions are valid"
+        );
+        let b = kv(3 * step as i32, 10);
+        cache.update_and_fetch(&b, &b).unwrap();
+        assert_eq!(cache.capacity(), 4 * step, "the reservation held it");
+        assert_eq!(
+            cache.capacity_for(4 * step + 1),
+            8 * step,
+            "growth goes on past it"
+        );
     }
 
     #[test]

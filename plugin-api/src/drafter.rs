@@ -133,6 +133,9 @@ pub struct DrafterOptions {
     /// waits on the host and the two threads' host work overlaps; off on the CPU, whose
     /// cores the target's arithmetic already uses.
     pub draft_ahead: Option<DraftAhead>,
+    /// `--max-tokens`: how many tokens a generation may add after its prompt, so a
+    /// drafter that keeps a cache can size it once (see `KvCache::reserve`).
+    pub max_new_tokens: Option<usize>,
 }
 
 /// How far a draft model runs ahead of the target (`--draft-ahead`).

@@ -47,6 +47,8 @@ pub struct ConvertOptions {
     pub dtype: Dtype,
     /// MLX affine quantization (bits) of linear and embedding weights, group size 64.
     pub quantize_bits: Option<i32>,
+    /// A shard is closed once it holds this many bytes (so memory stays bounded too).
+    pub max_shard_bytes: usize,
 }
 
 impl Default for ConvertOptions {
@@ -54,6 +56,7 @@ impl Default for ConvertOptions {
         Self {
             dtype: Dtype::Bfloat16,
             quantize_bits: None,
+            max_shard_bytes: 2_000_000_000,
         }
     }
 }
@@ -65,8 +68,6 @@ pub struct ConvertReport {
     pub shards: usize,
 }
 
-/// Output shards are cut at about this many bytes, so memory stays bounded.
-const SHARD_BYTES: usize = 2 << 30;
 const QUANT_GROUP: i32 = 64;
 
 fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<(), ConvertError> {
@@ -183,7 +184,7 @@ pub fn convert_gguf(
             }
         }
         converted += 1;
-        if shard_bytes >= SHARD_BYTES {
+        if shard_bytes >= options.max_shard_bytes {
             flush(&mut shard, &mut shard_files, &mut weight_map)?;
             shard_bytes = 0;
         }
@@ -199,6 +200,27 @@ pub fn convert_gguf(
             source,
         })?;
     } else {
+        // Hugging Face's shard names (`model-00001-of-00003.safetensors`), known only once
+        // the last shard is written: mlx-lm and transformers find the weights by them.
+        let count = shard_files.len();
+        let mut renamed: HashMap<String, String> = HashMap::new();
+        for (i, written) in shard_files.iter_mut().enumerate() {
+            let name = format!("model-{:05}-of-{count:05}.safetensors", i + 1);
+            let final_path = out_dir.join(&name);
+            std::fs::rename(&*written, &final_path).map_err(|source| ConvertError::Io {
+                path: final_path.clone(),
+                source,
+            })?;
+            if let Some(old) = written.file_name() {
+                renamed.insert(old.to_string_lossy().into_owned(), name);
+            }
+            *written = final_path;
+        }
+        for file in weight_map.values_mut() {
+            if let Some(name) = renamed.get(file.as_str()) {
+                file.clone_from(name);
+            }
+        }
         let total_size: u64 = shard_files
             .iter()
             .filter_map(|p| std::fs::metadata(p).ok())
