@@ -13,6 +13,19 @@ venv=target/mlx-lm-venv
 cargo build --release --locked -p dspec-engine >&2
 export DSPEC=target/release/dspec
 [ -d "$model" ] || model=$(bash scripts/fetch-models.sh "$model")
+# Conversions made before dspec wrote Hugging Face shard names (shard-NNNNN): mlx-lm
+# finds weights only as model*.safetensors, so it reads them through a directory of links.
+if compgen -G "$model/shard-*.safetensors" >/dev/null; then
+  links=$(mktemp -d)
+  for f in "$model"/*; do
+    case $(basename "$f") in
+      shard-*) ln -s "$f" "$links/model-$(basename "$f" | cut -d- -f2)" ;;
+      model.safetensors.index.json) sed 's/"shard-/"model-/g' "$f" > "$links/$(basename "$f")" ;;
+      *) ln -s "$f" "$links/" ;;
+    esac
+  done
+  model=$links
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
