@@ -9,17 +9,17 @@ use mlx_rs::Dtype;
 
 use dspec_adapters::lora::LoraMode;
 use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
-use dspec_engine::chat_template::{ChatMessage, ChatTemplate};
-use dspec_engine::drafting::{available_drafters, load_drafter};
-use dspec_engine::generate::{generate, GenerationConfig, GenerationOutput};
+use dspec_engine::decoding::drafting::{available_drafters, load_drafter};
+use dspec_engine::decoding::generate::{generate, GenerationConfig, GenerationOutput};
+use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
+use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::loading::{load_model, load_model_with_lora};
-use dspec_engine::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::runtime::{exit_process, version_report, Backend};
-use dspec_engine::sampling::SamplingParams;
-use dspec_engine::score_batch::{read_requests, render_text, run_requests, ScoreRequest, Sides};
+use dspec_engine::scoring::batch::{read_requests, render_text, run_requests, ScoreRequest, Sides};
 use dspec_engine::scoring::{Measure, Scorer, ScorerAdapter, Windowing};
-use dspec_engine::speculative::{generate_speculative, Speculation};
-use dspec_engine::tokenizer::TextTokenizer;
+use dspec_engine::text::chat_template::{ChatMessage, ChatTemplate};
+use dspec_engine::text::tokenizer::TextTokenizer;
 use dspec_plugin_api::{AdapterRegistry, DraftAhead, DrafterOptions, LoadOptions, Quantization};
 
 #[derive(Parser)]
@@ -846,7 +846,7 @@ fn run_score(args: ScoreArgs, plugins: &PluginArgs) -> Result<()> {
 }
 
 fn run_convert(args: ConvertArgs) -> Result<()> {
-    use dspec_engine::convert::{convert_gguf, ConvertOptions};
+    use dspec_engine::formats::convert::{convert_gguf, ConvertOptions};
     let options = ConvertOptions {
         dtype: match args.dtype {
             StoreDtype::Bf16 => Dtype::Bfloat16,

@@ -1,7 +1,7 @@
 //! Streaming detokenization: turns generated token ids into text one token at a time,
 //! holding back incomplete UTF-8 and keeping word-start spaces right, at O(window) per token.
 
-use crate::tokenizer::{TextTokenizer, TokenizerError};
+use crate::text::tokenizer::{TextTokenizer, TokenizerError};
 
 /// Past this many held tokens a trailing U+FFFD is real garbage from the model, not a
 /// character still being completed (UTF-8 needs at most four bytes), so it is released
@@ -120,7 +120,7 @@ impl StreamDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenizer::tests::{write_byte_level_tokenizer, write_json, EOS};
+    use crate::text::tokenizer::tests::{write_byte_level_tokenizer, write_json, EOS};
     use rand::{Rng, SeedableRng};
     use serde_json::json;
     use std::path::Path;
