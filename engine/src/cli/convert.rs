@@ -1,0 +1,72 @@
+//! `dspec convert`: a GGUF file into a model directory that `dspec generate` loads, with
+//! a progress bar on a terminal.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use mlx_rs::Dtype;
+
+#[derive(Clone, Copy, ValueEnum)]
+enum StoreDtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+#[derive(Args)]
+pub struct ConvertArgs {
+    /// The .gguf file.
+    gguf: PathBuf,
+    /// Directory to create (config.json, *.safetensors, tokenizer files).
+    out_dir: PathBuf,
+    /// Dtype of the stored float weights.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: StoreDtype,
+    /// Store linear and embedding weights MLX-quantized (group size 64).
+    #[arg(long, value_parser = ["4", "8"])]
+    quantize: Option<String>,
+}
+
+pub fn run(args: ConvertArgs) -> Result<()> {
+    use dspec_engine::formats::convert::{convert_gguf, ConvertOptions};
+    let options = ConvertOptions {
+        dtype: match args.dtype {
+            StoreDtype::Bf16 => Dtype::Bfloat16,
+            StoreDtype::F16 => Dtype::Float16,
+            StoreDtype::F32 => Dtype::Float32,
+        },
+        quantize_bits: match args.quantize.as_deref() {
+            Some(bits) => Some(bits.parse().context("--quantize takes 4 or 8")?),
+            None => None,
+        },
+    };
+    let bar = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(0)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "converting [{bar:30}] {pos}/{len} tensors {elapsed}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    let progress = |done: usize, total: usize| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    };
+    let report = convert_gguf(&args.gguf, &args.out_dir, options, &progress)
+        .with_context(|| format!("converting {}", args.gguf.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} ({}, {} tensors in {} file(s))",
+        args.out_dir.display(),
+        report.model_type,
+        report.tensors,
+        report.shards
+    );
+    Ok(())
+}
