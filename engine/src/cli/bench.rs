@@ -58,7 +58,7 @@ pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
         None => DEFAULT_PROMPTS.iter().map(|p| p.to_string()).collect(),
     };
     let backend = Backend::detect();
-    let options = args.model.load_options(backend)?;
+    let options = args.model.load_options(backend);
     let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json;
     let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;

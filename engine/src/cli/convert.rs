@@ -8,6 +8,8 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
+use super::args::QuantizeBits;
+
 #[derive(Clone, Copy, ValueEnum)]
 enum StoreDtype {
     Bf16,
@@ -25,8 +27,8 @@ pub struct ConvertArgs {
     #[arg(long, value_enum, default_value = "bf16")]
     dtype: StoreDtype,
     /// Store linear and embedding weights MLX-quantized (group size 64).
-    #[arg(long, value_parser = ["4", "8"])]
-    quantize: Option<String>,
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeBits>,
 }
 
 pub fn run(args: ConvertArgs) -> Result<()> {
@@ -37,10 +39,7 @@ pub fn run(args: ConvertArgs) -> Result<()> {
             StoreDtype::F16 => Dtype::Float16,
             StoreDtype::F32 => Dtype::Float32,
         },
-        quantize_bits: match args.quantize.as_deref() {
-            Some(bits) => Some(bits.parse().context("--quantize takes 4 or 8")?),
-            None => None,
-        },
+        quantize_bits: args.quantize.map(QuantizeBits::bits),
     };
     let bar = if std::io::stderr().is_terminal() {
         indicatif::ProgressBar::new(0)

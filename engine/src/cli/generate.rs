@@ -120,7 +120,7 @@ pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let backend = Backend::detect();
-    let options = args.model.load_options(backend)?;
+    let options = args.model.load_options(backend);
     let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json;
     let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;

@@ -68,3 +68,23 @@ pub fn command_names() -> Vec<String> {
         .map(|c| c.get_name().to_string())
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        // clap's own consistency checks (conflicting names, bad defaults, ...), which
+        // otherwise only fire when a user reaches the broken flag.
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_subcommand_is_listed() {
+        assert_eq!(
+            command_names(),
+            ["generate", "bench", "score", "adapters", "convert"]
+        );
+    }
+}

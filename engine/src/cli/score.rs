@@ -116,7 +116,7 @@ pub fn run(args: ScoreArgs, plugins: &PluginArgs) -> Result<()> {
     // Bad requests fail before the weights load.
     let requests = args.requests()?;
     let backend = Backend::detect();
-    let options = args.model.load_options(backend)?;
+    let options = args.model.load_options(backend);
     let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json;
     let (loaded, lora) = match &args.lora {
