@@ -15,6 +15,7 @@ pub mod loading;
 pub mod runtime;
 pub mod scoring;
 pub mod text;
+#[cfg(feature = "test-fixtures")]
 pub mod tiny_model;
 
 pub use error::EngineError;
