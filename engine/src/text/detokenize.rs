@@ -21,7 +21,7 @@ const MAX_HELD_TOKENS: usize = 16;
 /// The step is called as the free function `step_decode_stream`, the `DecodeStream`
 /// struct's step with its state kept here, because three cases need that state and the
 /// struct keeps it private: releasing held tokens at the end of generation (`finish`),
-/// releasing a trailing U+FFFD held for [`MAX_HELD_TOKENS`] tokens (the step would hold
+/// releasing a trailing U+FFFD held for `MAX_HELD_TOKENS` tokens (the step would hold
 /// it for ever), and decoders whose text for the window does not extend the text of its
 /// piece (clean-ups across tokens), where the step fails and the text is taken from a
 /// decode of every token instead.
