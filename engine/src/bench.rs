@@ -11,10 +11,12 @@ use serde::Serialize;
 
 use dspec_plugin_api::{Drafter, TargetModel};
 
+use crate::decoding::generate::{
+    generate, logits_to_host, prefill, GenerationConfig, GenerationStats,
+};
+use crate::decoding::speculative::{generate_speculative, Speculation, SpeculativeStats};
 use crate::error::EngineError;
-use crate::generate::{generate, logits_to_host, prefill, GenerationConfig, GenerationStats};
-use crate::speculative::{generate_speculative, Speculation, SpeculativeStats};
-use crate::tokenizer::TextTokenizer;
+use crate::text::tokenizer::TextTokenizer;
 
 /// The prompts `dspec bench` runs without `--prompts`: code, chat, and an edit task
 /// that repeats its input (where prompt lookup shines).

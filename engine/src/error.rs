@@ -2,9 +2,9 @@
 
 use dspec_plugin_api::ModelError;
 
-use crate::chat_template::ChatTemplateError;
-use crate::model_source::SourceError;
-use crate::tokenizer::TokenizerError;
+use crate::loading::model_source::SourceError;
+use crate::text::chat_template::ChatTemplateError;
+use crate::text::tokenizer::TokenizerError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

@@ -1,5 +1,6 @@
 //! A tiny but complete model directory for demos and end-to-end tests
 //! (random llama weights, a byte-level BPE tokenizer, a ChatML chat template).
+//! Compiled only with the `test-fixtures` feature, which release builds leave off.
 
 use std::path::Path;
 

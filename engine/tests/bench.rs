@@ -5,9 +5,9 @@ use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 
 use dspec_engine::bench::{first_difference, measure_prefill, rounding_tolerance, PrefillPlan};
-use dspec_engine::generate::{generate, logits_to_host, prefill, GenerationConfig};
+use dspec_engine::decoding::generate::{generate, logits_to_host, prefill, GenerationConfig};
+use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
-use dspec_engine::sampling::SamplingParams;
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{LoadOptions, TargetModel};
 

@@ -11,9 +11,9 @@ use mlx_rs::{Array, Dtype};
 
 use dspec_adapters::fixtures::with;
 use dspec_drafters::dflash::{write_random_checkpoint, DFlashDrafter, TINY_DFLASH};
-use dspec_engine::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::LoadedModel;
-use dspec_engine::sampling::SamplingParams;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{
     Draft, Drafter, DrafterLoadRequest, DrafterOptions, ModelError, Picked, TargetModel,

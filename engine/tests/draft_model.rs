@@ -2,10 +2,10 @@
 //! plain greedy output whatever the draft model proposes; `--drafter` resolution and
 //! its errors.
 
-use dspec_engine::drafting::load_drafter;
-use dspec_engine::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
 use dspec_engine::loading::{builtin_registry, LoadedModel};
-use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{DraftAhead, Drafter, DrafterOptions, LoadOptions};
 
@@ -45,7 +45,7 @@ fn assert_same_as_greedy(
     prompt: &str,
     cfg: &GenerationConfig,
     max_draft: usize,
-) -> dspec_engine::speculative::SpeculativeOutput {
+) -> dspec_engine::decoding::speculative::SpeculativeOutput {
     let ids = target.tokenizer.encode_prompt(prompt, false).unwrap();
     let plain = generate(
         target.model.as_ref(),

@@ -15,7 +15,7 @@ use mlx_rs::Array;
 
 use dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES;
 use dspec_drafters::dspark::{write_random_checkpoint, TINY_DSPARK_GEMMA4, TINY_DSPARK_QWEN3};
-use dspec_engine::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, DrafterOptions, Picked, TargetModel, TokenPicker};

@@ -5,9 +5,9 @@
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::Array;
 
-use dspec_engine::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::{builtin_registry, load_model};
-use dspec_engine::sampling::SamplingParams;
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{LoadOptions, TargetModel};
 

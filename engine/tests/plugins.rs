@@ -9,12 +9,12 @@ use std::sync::OnceLock;
 
 use serde_json::json;
 
-use dspec_engine::drafting::load_drafter;
-use dspec_engine::generate::{generate, GenerationConfig};
+use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::decoding::generate::{generate, GenerationConfig};
+use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
+use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::loading::{load_model, LoadedModel};
-use dspec_engine::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
-use dspec_engine::sampling::SamplingParams;
-use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::{write_tiny_model, SPECIAL_TOKENS};
 use dspec_plugin_api::conformance::check_target_model;
 use dspec_plugin_api::plugin::abi::ABI_VERSION;

@@ -7,9 +7,9 @@ use std::time::Duration;
 use mlx_rs::Array;
 
 use dspec_drafters::ngram::NgramDrafter;
-use dspec_engine::generate::{generate, GenerationConfig, StopReason};
-use dspec_engine::sampling::SamplingParams;
-use dspec_engine::speculative::{generate_speculative, Speculation};
+use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, TargetModel, TokenPicker};
 

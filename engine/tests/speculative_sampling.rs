@@ -14,11 +14,11 @@ use std::collections::HashMap;
 
 use mlx_rs::Array;
 
-use dspec_engine::drafting::load_drafter;
-use dspec_engine::generate::{generate, logits_to_host, GenerationConfig};
+use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::decoding::generate::{generate, logits_to_host, GenerationConfig};
+use dspec_engine::decoding::sampling::{probabilities, SamplingParams};
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
 use dspec_engine::loading::{builtin_registry, LoadedModel};
-use dspec_engine::sampling::{probabilities, SamplingParams};
-use dspec_engine::speculative::{generate_speculative, Speculation};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, DrafterOptions, LoadOptions, TargetModel, TokenPicker};
@@ -215,7 +215,7 @@ fn speculative_sampling_matches_the_targets_distribution() {
         let mut path = Vec::new();
         for _ in 0..4 {
             let p = next_distribution(target.model.as_ref(), &ids, &params(0));
-            let best = dspec_engine::sampling::argmax(&p);
+            let best = dspec_engine::decoding::sampling::argmax(&p);
             path.push(best);
             ids.push(best);
         }

@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use dspec_engine::generate::{generate, GenerationConfig};
+use dspec_engine::decoding::generate::{generate, GenerationConfig};
+use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
 use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
-use dspec_engine::sampling::SamplingParams;
-use dspec_engine::speculative::{generate_speculative, Speculation, SpeculativeOutput};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{

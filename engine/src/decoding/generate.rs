@@ -11,11 +11,11 @@ use serde::Serialize;
 
 use dspec_plugin_api::{ModelCache, TargetModel};
 
-use crate::detokenize::StreamDecoder;
+use crate::decoding::sampling::{Sampler, SamplingParams};
 use crate::error::EngineError;
-use crate::sampling::{Sampler, SamplingParams};
-use crate::stop::StopMatcher;
-use crate::tokenizer::TextTokenizer;
+use crate::text::detokenize::StreamDecoder;
+use crate::text::stop::StopMatcher;
+use crate::text::tokenizer::TextTokenizer;
 
 /// Prompts longer than this are prefilled in chunks to bound peak memory; the same
 /// step as mlx-lm's default `prefill_step_size`, so long prompts round as they do there.

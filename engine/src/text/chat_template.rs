@@ -2,13 +2,16 @@
 //! them: same whitespace rules, the helpers templates call, and Python's JSON output.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::io;
 
+use jiff::fmt::strtime;
+use jiff::tz::TimeZone;
+use jiff::{Timestamp, Zoned};
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::{Kwargs, Serde, ValueKind};
+use minijinja::value::{Kwargs, Serde};
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
+use serde_json::ser::Formatter;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -188,116 +191,44 @@ fn neutralize_generation_tags(source: &str) -> String {
     out
 }
 
+/// transformers' `strftime_now(format)`: the current time through C's `strftime`, which
+/// templates use for "today's date" lines; here in UTC.
 fn strftime_now(format: &str) -> String {
-    let seconds = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    format_utc(format, seconds)
+    format_time(format, &Timestamp::now().to_zoned(TimeZone::UTC))
 }
 
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-const WEEKDAYS: [&str; 7] = [
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-];
-
-fn is_leap(year: u64) -> bool {
-    (year.is_multiple_of(4) && !year.is_multiple_of(100)) || year.is_multiple_of(400)
-}
-
-/// A C `strftime` subset for a UTC time given as seconds since 1970; templates use it for
-/// "today's date" lines. Unknown directives are copied through as C's strftime does.
-fn format_utc(format: &str, seconds: u64) -> String {
-    let mut days = seconds / 86_400;
-    let second_of_day = seconds % 86_400;
-    // 1970-01-01 was a Thursday.
-    let weekday = ((days + 4) % 7) as usize;
-    let mut year = 1970;
-    loop {
-        let length = if is_leap(year) { 366 } else { 365 };
-        if days < length {
-            break;
-        }
-        days -= length;
-        year += 1;
+/// `format` as C's `strftime` would write `time`, through jiff's strtime (which follows
+/// C's directives). jiff rejects a whole format over one directive it does not know;
+/// glibc copies such a directive through as written, so only then is the format
+/// written a directive at a time, the unknown ones verbatim.
+fn format_time(format: &str, time: &Zoned) -> String {
+    if let Ok(text) = strtime::format(format, time) {
+        return text;
     }
-    let day_of_year = days;
-    let mut month = 0;
-    loop {
-        let length = match month {
-            1 if is_leap(year) => 29,
-            1 => 28,
-            3 | 5 | 8 | 10 => 30,
-            _ => 31,
-        };
-        if days < length {
-            break;
+    let mut out = String::with_capacity(format.len());
+    let mut rest = format;
+    while let Some(start) = rest.find('%') {
+        out.push_str(&rest[..start]);
+        let directive = directive_at(&rest[start..]);
+        match strtime::format(directive, time) {
+            Ok(text) => out.push_str(&text),
+            Err(_) => out.push_str(directive),
         }
-        days -= length;
-        month += 1;
+        rest = &rest[start + directive.len()..];
     }
-    let day = days + 1;
-    let (hour, minute, second) = (
-        second_of_day / 3600,
-        second_of_day / 60 % 60,
-        second_of_day % 60,
-    );
-
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        let Some(directive) = chars.next() else {
-            out.push('%');
-            break;
-        };
-        // Writing to a String cannot fail.
-        let _ = match directive {
-            'Y' => write!(out, "{year}"),
-            'y' => write!(out, "{:02}", year % 100),
-            'm' => write!(out, "{:02}", month + 1),
-            'd' => write!(out, "{day:02}"),
-            'e' => write!(out, "{day:>2}"),
-            'j' => write!(out, "{:03}", day_of_year + 1),
-            'H' => write!(out, "{hour:02}"),
-            'I' => write!(out, "{:02}", (hour + 11) % 12 + 1),
-            'M' => write!(out, "{minute:02}"),
-            'S' => write!(out, "{second:02}"),
-            'p' => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
-            'B' => write!(out, "{}", MONTHS[month]),
-            'b' | 'h' => write!(out, "{}", &MONTHS[month][..3]),
-            'A' => write!(out, "{}", WEEKDAYS[weekday]),
-            'a' => write!(out, "{}", &WEEKDAYS[weekday][..3]),
-            'F' => write!(out, "{year}-{:02}-{day:02}", month + 1),
-            'T' => write!(out, "{hour:02}:{minute:02}:{second:02}"),
-            'Z' => write!(out, "UTC"),
-            'z' => write!(out, "+0000"),
-            '%' => write!(out, "%"),
-            other => write!(out, "%{other}"),
-        };
-    }
+    out.push_str(rest);
     out
+}
+
+/// The directive `s` starts with: `%`, flags and width (`%-d`, `%_5H`, `%:z`), and the
+/// conversion character (absent at the end of the format).
+fn directive_at(s: &str) -> &str {
+    let body = &s[1..];
+    let modifiers = body
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '-' | '_' | '^' | '#' | ':' | '.')))
+        .unwrap_or(body.len());
+    let conversion = body[modifiers..].chars().next().map_or(0, char::len_utf8);
+    &s[..1 + modifiers + conversion]
 }
 
 /// transformers replaces Jinja's `tojson` with `json.dumps(x, ensure_ascii=False, indent=None,
@@ -360,145 +291,157 @@ fn tojson(
         let item = if indent.is_some() { "," } else { ", " };
         (item.to_string(), ": ".to_string())
     });
-    let mut writer = PythonJson {
-        out: String::new(),
+    let not_serializable = |e: serde_json::Error| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: not JSON serializable: {e}"),
+        )
+    };
+    // Through serde_json's own value (keys in the template's order, as Python's dicts
+    // keep them) so that sort_keys can order every level. Two cases differ from Python:
+    // serde_json writes NaN and infinities as null where Python writes NaN/Infinity
+    // (neither is JSON), and a None key is an error where Python writes "null".
+    let mut json = serde_json::to_value(value).map_err(not_serializable)?;
+    if sort_keys {
+        json.sort_all_objects();
+    }
+    let formatter = PythonJson {
         ensure_ascii,
         indent,
         item_separator,
         key_separator,
-        sort_keys,
+        depth: 0,
+        has_items: false,
     };
-    writer.value(value, 0)?;
-    Ok(Value::from(writer.out))
+    let mut out = Vec::new();
+    json.serialize(&mut serde_json::Serializer::with_formatter(
+        &mut out, formatter,
+    ))
+    .map_err(not_serializable)?;
+    // serde_json writes valid UTF-8; the formatter's escapes are ASCII.
+    let text = String::from_utf8(out)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from(text))
 }
 
+/// `json.dumps`' layout as a serde_json formatter: its separators, newlines and
+/// indentation only with an indent (empty containers stay `[]` and `{}`), `repr` floats,
+/// and with `ensure_ascii` every character outside printable ASCII as `\uXXXX` (UTF-16).
+/// serde_json does the rest: the escapes both write alike (`\"`, `\\`, `\n`, `\u001f`).
 struct PythonJson {
-    out: String,
     ensure_ascii: bool,
     indent: Option<String>,
     item_separator: String,
     key_separator: String,
-    sort_keys: bool,
+    /// Containers open around the next item.
+    depth: usize,
+    /// Whether the innermost open container has an item yet.
+    has_items: bool,
 }
 
 impl PythonJson {
-    fn value(&mut self, value: &Value, depth: usize) -> Result<(), Error> {
-        match value.kind() {
-            ValueKind::Undefined | ValueKind::None => self.out.push_str("null"),
-            ValueKind::Bool => self
-                .out
-                .push_str(if value.is_true() { "true" } else { "false" }),
-            ValueKind::Number if value.is_integer() => self.out.push_str(&value.to_string()),
-            ValueKind::Number => {
-                let float = f64::try_from(value.clone())?;
-                self.out.push_str(&python_float_repr(float));
+    fn open<W: ?Sized + io::Write>(&mut self, writer: &mut W, bracket: &[u8]) -> io::Result<()> {
+        self.depth += 1;
+        self.has_items = false;
+        writer.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + io::Write>(&mut self, writer: &mut W, bracket: &[u8]) -> io::Result<()> {
+        self.depth -= 1;
+        if self.has_items {
+            self.new_line(writer)?;
+        }
+        writer.write_all(bracket)
+    }
+
+    fn item<W: ?Sized + io::Write>(&mut self, writer: &mut W, first: bool) -> io::Result<()> {
+        if !first {
+            writer.write_all(self.item_separator.as_bytes())?;
+        }
+        self.new_line(writer)
+    }
+
+    fn new_line<W: ?Sized + io::Write>(&self, writer: &mut W) -> io::Result<()> {
+        if let Some(indent) = &self.indent {
+            writer.write_all(b"\n")?;
+            for _ in 0..self.depth {
+                writer.write_all(indent.as_bytes())?;
             }
-            ValueKind::String => self.string(value.as_str().unwrap_or_default()),
-            ValueKind::Seq | ValueKind::Iterable => {
-                let items: Vec<Value> = value.try_iter()?.collect();
-                self.open('[', items.is_empty());
-                for (i, item) in items.iter().enumerate() {
-                    self.separator(i, depth + 1);
-                    self.value(item, depth + 1)?;
+        }
+        Ok(())
+    }
+}
+
+impl Formatter for PythonJson {
+    fn write_f64<W: ?Sized + io::Write>(&mut self, writer: &mut W, value: f64) -> io::Result<()> {
+        writer.write_all(python_float_repr(value).as_bytes())
+    }
+
+    fn write_string_fragment<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        fragment: &str,
+    ) -> io::Result<()> {
+        if !self.ensure_ascii {
+            return writer.write_all(fragment.as_bytes());
+        }
+        for c in fragment.chars() {
+            if (' '..='~').contains(&c) {
+                writer.write_all(&[c as u8])?;
+            } else {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    write!(writer, "\\u{unit:04x}")?;
                 }
-                self.close(']', items.is_empty(), depth);
-            }
-            ValueKind::Map => {
-                let mut entries = Vec::new();
-                for key in value.try_iter()? {
-                    let item = value.get_item(&key)?;
-                    entries.push((self.key_string(&key)?, item));
-                }
-                if self.sort_keys {
-                    entries.sort_by(|a, b| a.0.cmp(&b.0));
-                }
-                self.open('{', entries.is_empty());
-                for (i, (key, item)) in entries.iter().enumerate() {
-                    self.separator(i, depth + 1);
-                    self.string(key);
-                    let key_separator = self.key_separator.clone();
-                    self.out.push_str(&key_separator);
-                    self.value(item, depth + 1)?;
-                }
-                self.close('}', entries.is_empty(), depth);
-            }
-            other => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!("tojson: a {other} value is not JSON serializable"),
-                ))
             }
         }
         Ok(())
     }
 
-    /// Python turns non-string keys into their JSON spelling.
-    fn key_string(&self, key: &Value) -> Result<String, Error> {
-        Ok(match key.kind() {
-            ValueKind::String => key.as_str().unwrap_or_default().to_string(),
-            ValueKind::Bool => if key.is_true() { "true" } else { "false" }.to_string(),
-            ValueKind::None | ValueKind::Undefined => "null".to_string(),
-            ValueKind::Number if key.is_integer() => key.to_string(),
-            ValueKind::Number => python_float_repr(f64::try_from(key.clone())?),
-            other => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!("tojson: keys must be str, int, float, bool or None, not {other}"),
-                ))
-            }
-        })
+    fn begin_array<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.open(writer, b"[")
     }
 
-    fn open(&mut self, bracket: char, empty: bool) {
-        self.out.push(bracket);
-        if empty {
-            self.out.push(if bracket == '[' { ']' } else { '}' });
-        }
+    fn end_array<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.close(writer, b"]")
     }
 
-    fn close(&mut self, bracket: char, empty: bool, depth: usize) {
-        if empty {
-            return;
-        }
-        if let Some(indent) = &self.indent {
-            self.out.push('\n');
-            self.out.push_str(&indent.repeat(depth));
-        }
-        self.out.push(bracket);
+    fn begin_array_value<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.item(writer, first)
     }
 
-    fn separator(&mut self, index: usize, depth: usize) {
-        if index > 0 {
-            let item_separator = self.item_separator.clone();
-            self.out.push_str(&item_separator);
-        }
-        if let Some(indent) = &self.indent {
-            self.out.push('\n');
-            self.out.push_str(&indent.repeat(depth));
-        }
+    fn end_array_value<W: ?Sized + io::Write>(&mut self, _writer: &mut W) -> io::Result<()> {
+        self.has_items = true;
+        Ok(())
     }
 
-    fn string(&mut self, s: &str) {
-        self.out.push('"');
-        for c in s.chars() {
-            match c {
-                '"' => self.out.push_str("\\\""),
-                '\\' => self.out.push_str("\\\\"),
-                '\n' => self.out.push_str("\\n"),
-                '\r' => self.out.push_str("\\r"),
-                '\t' => self.out.push_str("\\t"),
-                '\u{8}' => self.out.push_str("\\b"),
-                '\u{c}' => self.out.push_str("\\f"),
-                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
-                    let mut units = [0u16; 2];
-                    for unit in c.encode_utf16(&mut units) {
-                        let _ = write!(self.out, "\\u{unit:04x}");
-                    }
-                }
-                c => self.out.push(c),
-            }
-        }
-        self.out.push('"');
+    fn begin_object<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.open(writer, b"{")
+    }
+
+    fn end_object<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.close(writer, b"}")
+    }
+
+    fn begin_object_key<W: ?Sized + io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.item(writer, first)
+    }
+
+    fn begin_object_value<W: ?Sized + io::Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        writer.write_all(self.key_separator.as_bytes())
+    }
+
+    fn end_object_value<W: ?Sized + io::Write>(&mut self, _writer: &mut W) -> io::Result<()> {
+        self.has_items = true;
+        Ok(())
     }
 }
 
@@ -755,12 +698,15 @@ mod tests {
             .lines()
             .find_map(|line| line.strip_prefix("Today Date: "))
             .unwrap();
-        let parts: Vec<&str> = date_line.split(' ').collect();
-        assert_eq!(parts.len(), 3, "{date_line:?}");
-        assert_eq!(parts[0].len(), 2);
-        assert!(parts[0].chars().all(|c| c.is_ascii_digit()));
-        assert!(MONTHS.iter().any(|m| &m[..3] == parts[1]), "{date_line:?}");
-        assert!(parts[2].parse::<u32>().unwrap() >= 2025);
+        // Today in UTC as "%d %b %Y" (yesterday if the render straddled midnight).
+        assert_eq!(date_line.len(), "01 Jan 2025".len(), "{date_line:?}");
+        let shown = jiff::civil::Date::strptime("%d %b %Y", date_line)
+            .unwrap_or_else(|e| panic!("{date_line:?}: {e}"));
+        let today = Timestamp::now().to_zoned(TimeZone::UTC).date();
+        assert!(
+            shown == today || today.yesterday().ok() == Some(shown),
+            "{shown} is not {today}"
+        );
     }
 
     /// Gemma 3's template: system prompt folded into the first user turn, `model` role.
@@ -1000,6 +946,39 @@ mod tests {
     }
 
     #[test]
+    fn tojson_nests_sorts_every_level_and_escapes_as_python() {
+        let template = ChatTemplate::new(
+            "{{ v | tojson(indent='\t', sort_keys=true) }}\n{{ v | tojson }}\n{{ s | tojson }}|{{ s | tojson(ensure_ascii=true) }}\n{{ {1: 'one', true: [[], {}]} | tojson }}",
+            None,
+            None,
+        )
+        .unwrap();
+        let vars = extra(json!({
+            "v": {"z": [{"y": 1, "x": [2, {}]}], "a": {"d": [], "c": -0.5}},
+            "s": "tab\tbell\u{7}del\u{7f}nbsp\u{a0}"
+        }));
+        let rendered = template.render(&[], false, &vars).unwrap();
+        let expected = [
+            "{\n\t\"a\": {\n\t\t\"c\": -0.5,\n\t\t\"d\": []\n\t},\n\t\"z\": [\n\t\t{\n\t\t\t\"x\": [\n\t\t\t\t2,\n\t\t\t\t{}\n\t\t\t],\n\t\t\t\"y\": 1\n\t\t}\n\t]\n}",
+            r#"{"z": [{"y": 1, "x": [2, {}]}], "a": {"d": [], "c": -0.5}}"#,
+            // Python escapes DEL only under ensure_ascii (it is ASCII but not printable).
+            "\"tab\\tbell\\u0007del\u{7f}nbsp\u{a0}\"|\"tab\\tbell\\u0007del\\u007fnbsp\\u00a0\"",
+            // Python writes int and bool keys as JSON strings.
+            r#"{"1": "one", "true": [[], {}]}"#,
+        ]
+        .join("\n");
+        assert_eq!(rendered, expected);
+    }
+
+    #[test]
+    fn tojson_rejects_what_is_not_json_serializable() {
+        let template = ChatTemplate::new("{{ {none: 1} | tojson }}", None, None).unwrap();
+        let err = template.render(&[], false, &no_extra()).unwrap_err();
+        assert!(matches!(err, ChatTemplateError::Render { .. }), "{err}");
+        assert!(err.to_string().contains("tojson"), "{err}");
+    }
+
+    #[test]
     fn python_float_reprs() {
         let cases = [
             (1.0, "1.0"),
@@ -1021,20 +1000,42 @@ mod tests {
         }
     }
 
+    fn utc(seconds: i64) -> Zoned {
+        Timestamp::from_second(seconds)
+            .expect("in range")
+            .to_zoned(TimeZone::UTC)
+    }
+
     #[test]
-    fn strftime_subset_in_utc() {
+    fn strftime_as_c_writes_it_in_utc() {
         // 2024-02-29T13:05:09Z, a Thursday in a leap year.
-        let seconds = 1_709_211_909;
+        let leap_day = utc(1_709_211_909);
         assert_eq!(
-            format_utc("%Y-%m-%d %H:%M:%S %a %A %b %B %j %y %I%p %e %% %Q", seconds),
-            "2024-02-29 13:05:09 Thu Thursday Feb February 060 24 01PM 29 % %Q"
+            format_time(
+                "%Y-%m-%d %H:%M:%S %a %A %b %B %j %y %I%p %e %% %h %Z %z",
+                &leap_day
+            ),
+            "2024-02-29 13:05:09 Thu Thursday Feb February 060 24 01PM 29 % Feb UTC +0000"
         );
-        assert_eq!(format_utc("%d %b %Y", 0), "01 Jan 1970");
+        assert_eq!(format_time("%d %b %Y", &utc(0)), "01 Jan 1970");
+        // Padding flags as glibc takes them.
+        assert_eq!(format_time("%e|%-d|%-m|%_H", &utc(0)), " 1|1|1| 0");
         // 2000-12-31T23:59:59Z: day 366 of a leap century year.
         assert_eq!(
-            format_utc("%F %T %j %A", 978_307_199),
+            format_time("%F %T %j %A", &utc(978_307_199)),
             "2000-12-31 23:59:59 366 Sunday"
         );
+    }
+
+    #[test]
+    fn strftime_copies_unknown_directives_through_as_glibc_does() {
+        let leap_day = utc(1_709_211_909);
+        assert_eq!(
+            format_time("%K on %d %b, %-K %! %Y 100%", &leap_day),
+            "%K on 29 Feb, %-K %! 2024 100%"
+        );
+        assert_eq!(format_time("%", &leap_day), "%");
+        assert_eq!(format_time("no directives", &leap_day), "no directives");
     }
 
     #[test]

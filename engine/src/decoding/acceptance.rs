@@ -14,8 +14,8 @@ use mlx_rs::ops::{concatenate, maximum, select, softmax_axis};
 use mlx_rs::random::uniform;
 use mlx_rs::{Array, Dtype};
 
+use crate::decoding::sampling::Sampler;
 use crate::error::EngineError;
-use crate::sampling::Sampler;
 
 /// What a round keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,7 +135,7 @@ pub fn accept_sampled(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::{probabilities, SamplingParams};
+    use crate::decoding::sampling::{probabilities, SamplingParams};
 
     fn sampler(seed: u64) -> Sampler {
         Sampler::new(SamplingParams {

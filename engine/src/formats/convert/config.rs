@@ -5,7 +5,7 @@ use serde_json::{json, Value};
 
 use super::tensors::TensorConventions;
 use super::ConvertError;
-use crate::gguf::GgufFile;
+use crate::formats::gguf::GgufFile;
 
 /// GGUF architectures `dspec convert` handles, and the HF model_type each becomes.
 pub const SUPPORTED_ARCHITECTURES: &[(&str, &str)] = &[

@@ -7,7 +7,7 @@
 //! probability min(1, p(d)/q(d)) and the first rejection is replaced by a sample from
 //! max(0, p − q) renormalised (p: the target's processed distribution, q: the
 //! drafter's, one-hot for drafters without one), so the output has exactly the
-//! target's distribution. Acceptance runs on the device ([`crate::acceptance`]): a
+//! target's distribution. Acceptance runs on the device ([`crate::decoding::acceptance`]): a
 //! round reads back only the kept count and the target's token.
 
 use std::io::Write;
@@ -23,15 +23,15 @@ use dspec_adapters::attention::{whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS};
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
-use crate::acceptance::{accept_greedy, accept_sampled, argmax_all, Accepted};
-use crate::draft_length::DraftLength;
-use crate::error::EngineError;
-use crate::generate::{
+use crate::decoding::acceptance::{accept_greedy, accept_sampled, argmax_all, Accepted};
+use crate::decoding::draft_length::DraftLength;
+use crate::decoding::generate::{
     pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
     TextSink,
 };
-use crate::sampling::Sampler;
-use crate::tokenizer::TextTokenizer;
+use crate::decoding::sampling::Sampler;
+use crate::error::EngineError;
+use crate::text::tokenizer::TextTokenizer;
 
 /// How well drafting went.
 #[derive(Debug, Clone, Serialize)]
@@ -318,7 +318,7 @@ impl Rounds<'_, '_> {
 
     /// Rounds without drafts, run as plain decoding for as long as the controller
     /// chooses none: two steps in flight (the next step's graph is built on the still
-    /// lazy token, as [`crate::generate::generate`] does), one token read per step, and
+    /// lazy token, as [`crate::decoding::generate::generate`] does), one token read per step, and
     /// no drafter work per step: the drafter is asked for no drafts once, and hears of
     /// every position the run fed in one `commit` at its end. Each step is a round to
     /// the controller, timed from token to token, so rounds without drafts are measured

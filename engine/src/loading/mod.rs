@@ -1,6 +1,10 @@
 //! Loads a target: resolve the directory, pick the adapter from the registry, load
 //! the weights (with a progress bar on a terminal) and the tokenizer; optionally with
-//! a LoRA adapter attached.
+//! a LoRA adapter attached. `model_source` resolves a `--target`; `plugins` adds
+//! plugin families to the registry the loader picks from.
+
+pub mod model_source;
+pub mod plugins;
 
 use std::path::{Path, PathBuf};
 
@@ -13,8 +17,8 @@ use dspec_plugin_api::{
 };
 
 use crate::error::EngineError;
-use crate::model_source::resolve_model_dir;
-use crate::tokenizer::TextTokenizer;
+use crate::loading::model_source::resolve_model_dir;
+use crate::text::tokenizer::TextTokenizer;
 
 pub struct LoadedModel {
     pub model: Box<dyn TargetModel>,

@@ -5,7 +5,8 @@
 //! α is the chance a draft is kept given the one before it was, and costs
 //! T(k) = draft(k) + verify(k + 1); a round of no drafts is a plain decoding step, which
 //! is pipelined and so costs less than a verify of width 1 (on a GPU bound by the host's
-//! per-operation work, several times less). The best k maximises E(k) / T(k). α, the
+//! per-operation work, several times less: docs/benchmarks.md has the verify costs
+//! measured in plain steps). The best k maximises E(k) / T(k). α, the
 //! plain step, draft(k) and verify(w) are all measured as the generation goes, because
 //! they differ by device and model. The choice never affects *what* is generated
 //! (acceptance is lossless for every k), only how fast.
@@ -20,8 +21,8 @@ const WARMUP_ROUNDS: usize = 3;
 const PROBE_EVERY: usize = 8;
 /// While probes keep finding that drafting does not pay, the rounds between them double
 /// up to this many: a probe is a synchronous verify amid pipelined plain steps, which on
-/// a GPU can cost several steps, so probing at a fixed rate would keep a run well below
-/// plain decoding's speed.
+/// a GPU can cost several steps (docs/benchmarks.md), so probing at a fixed rate would
+/// keep a run well below plain decoding's speed.
 const PROBE_EVERY_MAX: usize = 256;
 
 /// Least-squares line `y ≈ a + b·x` over decayed observations.

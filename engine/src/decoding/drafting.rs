@@ -17,9 +17,9 @@ use dspec_plugin_api::{
 };
 
 use crate::error::EngineError;
+use crate::loading::model_source::resolve_model_dir;
 use crate::loading::LoadedModel;
-use crate::model_source::resolve_model_dir;
-use crate::tokenizer::TextTokenizer;
+use crate::text::tokenizer::TextTokenizer;
 
 /// Every drafter kind compiled in: (kind, summary).
 pub fn available_drafters() -> Result<Vec<(&'static str, &'static str)>, EngineError> {

@@ -1,7 +1,9 @@
 //! Streaming detokenization: turns generated token ids into text one token at a time,
 //! holding back incomplete UTF-8 and keeping word-start spaces right, at O(window) per token.
 
-use crate::tokenizer::{TextTokenizer, TokenizerError};
+use tokenizers::{step_decode_stream, DecodeStreamError};
+
+use crate::text::tokenizer::{TextTokenizer, TokenizerError};
 
 /// Past this many held tokens a trailing U+FFFD is real garbage from the model, not a
 /// character still being completed (UTF-8 needs at most four bytes), so it is released
@@ -10,18 +12,32 @@ const MAX_HELD_TOKENS: usize = 16;
 
 /// Decodes a growing token sequence incrementally.
 ///
-/// Each step decodes only the tokens from `prefix_offset` on and emits what the newest
-/// tokens add beyond the text of `prefix_offset..read_offset`. Decoding from an earlier
-/// token rather than the new one alone matters for SentencePiece-style decoders, which
-/// drop the leading space of whatever comes first in a decode call.
+/// Each token goes through tokenizers' `DecodeStream` step: the ids of the last piece
+/// emitted plus those held since are decoded together, and what they add beyond that
+/// piece's own text is the next piece. Decoding from the earlier piece rather than the
+/// new token alone matters for SentencePiece-style decoders, which drop the leading
+/// space of whatever comes first in a decode call.
+///
+/// The step is called as the free function `step_decode_stream`, the `DecodeStream`
+/// struct's step with its state kept here, because three cases need that state and the
+/// struct keeps it private: releasing held tokens at the end of generation (`finish`),
+/// releasing a trailing U+FFFD held for `MAX_HELD_TOKENS` tokens (the step would hold
+/// it for ever), and decoders whose text for the window does not extend the text of its
+/// piece (clean-ups across tokens), where the step fails and the text is taken from a
+/// decode of every token instead.
 #[derive(Debug, Clone)]
 pub struct StreamDecoder {
     skip_special_tokens: bool,
+    /// The step's state: the ids of the last emitted piece, then those held since...
+    window: Vec<u32>,
+    /// ...the text of that piece decoded alone...
+    piece_text: String,
+    /// ...and where in `window` the held ids start.
+    held_from: usize,
+    /// Tokens pushed since the last piece. (Not `window.len() - held_from`: the step
+    /// counts tokens that decode to nothing, a skipped BOS, as part of the piece.)
+    held: usize,
     tokens: Vec<u32>,
-    prefix_offset: usize,
-    read_offset: usize,
-    /// Decoded text of `tokens[prefix_offset..read_offset]`, filled lazily.
-    prefix_text: Option<String>,
     text: String,
 }
 
@@ -29,10 +45,11 @@ impl StreamDecoder {
     pub fn new(skip_special_tokens: bool) -> Self {
         Self {
             skip_special_tokens,
+            window: Vec::new(),
+            piece_text: String::new(),
+            held_from: 0,
+            held: 0,
             tokens: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-            prefix_text: None,
             text: String::new(),
         }
     }
@@ -41,28 +58,54 @@ impl StreamDecoder {
     /// character is still being spelled out).
     pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String, TokenizerError> {
         self.tokens.push(id);
-        let prefix_text = self.prefix_text(tok)?;
-        let new_text = tok.decode(&self.tokens[self.prefix_offset..], self.skip_special_tokens)?;
-        let held = self.tokens.len() - self.read_offset;
-        if new_text.len() <= prefix_text.len()
-            || (new_text.ends_with('\u{FFFD}') && held < MAX_HELD_TOKENS)
-        {
-            return Ok(String::new());
-        }
-        let delta = self.delta(tok, &new_text)?;
-        self.advance(delta.clone());
-        Ok(delta)
+        self.held += 1;
+        let step = step_decode_stream(
+            tok.inner(),
+            vec![id],
+            self.skip_special_tokens,
+            &mut self.window,
+            &mut self.piece_text,
+            &mut self.held_from,
+        );
+        let piece = match step {
+            Ok(Some(piece)) => {
+                self.held = 0;
+                piece
+            }
+            Ok(None) if self.held < MAX_HELD_TOKENS => return Ok(String::new()),
+            Ok(None) => {
+                // Held this long, a trailing U+FFFD is let out; tokens that add no text
+                // at all (skipped special tokens) stay held.
+                let window_text = tok.decode(&self.window, self.skip_special_tokens)?;
+                if window_text.len() <= self.piece_text.len() {
+                    return Ok(String::new());
+                }
+                self.release(tok, &window_text)?
+            }
+            Err(e) if e.downcast_ref::<DecodeStreamError>().is_some() => {
+                let window_text = tok.decode(&self.window, self.skip_special_tokens)?;
+                self.release(tok, &window_text)?
+            }
+            Err(e) => {
+                return Err(TokenizerError::Decode {
+                    dir: tok.dir().to_path_buf(),
+                    message: e.to_string(),
+                })
+            }
+        };
+        self.text.push_str(&piece);
+        Ok(piece)
     }
 
     /// Releases whatever is still held (an unfinished character becomes U+FFFD).
     pub fn finish(&mut self, tok: &TextTokenizer) -> Result<String, TokenizerError> {
-        if self.read_offset == self.tokens.len() {
+        if self.held == 0 {
             return Ok(String::new());
         }
-        let new_text = tok.decode(&self.tokens[self.prefix_offset..], self.skip_special_tokens)?;
-        let delta = self.delta(tok, &new_text)?;
-        self.advance(delta.clone());
-        Ok(delta)
+        let window_text = tok.decode(&self.window, self.skip_special_tokens)?;
+        let piece = self.release(tok, &window_text)?;
+        self.text.push_str(&piece);
+        Ok(piece)
     }
 
     /// Everything emitted so far.
@@ -75,31 +118,32 @@ impl StreamDecoder {
         &self.tokens
     }
 
-    fn prefix_text(&mut self, tok: &TextTokenizer) -> Result<String, TokenizerError> {
-        if let Some(text) = &self.prefix_text {
-            return Ok(text.clone());
-        }
-        let text = tok.decode(
-            &self.tokens[self.prefix_offset..self.read_offset],
-            self.skip_special_tokens,
-        )?;
-        self.prefix_text = Some(text.clone());
-        Ok(text)
+    /// The held tokens' text, given the window's, where the step would keep holding it or
+    /// fails; the window then moves on as after a piece the step emits.
+    fn release(
+        &mut self,
+        tok: &TextTokenizer,
+        window_text: &str,
+    ) -> Result<String, TokenizerError> {
+        let piece = match window_text.strip_prefix(self.piece_text.as_str()) {
+            Some(piece) => piece.to_string(),
+            None => self.rest_of_full_decode(tok)?,
+        };
+        self.window.drain(..self.held_from);
+        self.piece_text = tok.decode(&self.window, self.skip_special_tokens)?;
+        self.held_from = self.window.len();
+        self.held = 0;
+        Ok(piece)
     }
 
-    /// The text the window adds after its prefix. Decoders whose output for a window is not
-    /// an extension of the output for its prefix (text clean-ups across tokens) fall back to
-    /// decoding everything once and diffing against what was already emitted.
-    fn delta(&mut self, tok: &TextTokenizer, new_text: &str) -> Result<String, TokenizerError> {
-        let prefix_text = self.prefix_text(tok)?;
-        if let Some(delta) = new_text.strip_prefix(prefix_text.as_str()) {
-            return Ok(delta.to_string());
-        }
+    /// What a decode of every token adds to the text emitted so far. Emitted text cannot
+    /// be taken back, so where the two disagree this continues after their longest
+    /// common prefix.
+    fn rest_of_full_decode(&self, tok: &TextTokenizer) -> Result<String, TokenizerError> {
         let full = tok.decode(&self.tokens, self.skip_special_tokens)?;
-        if let Some(delta) = full.strip_prefix(self.text.as_str()) {
-            return Ok(delta.to_string());
+        if let Some(rest) = full.strip_prefix(self.text.as_str()) {
+            return Ok(rest.to_string());
         }
-        // Emitted text cannot be taken back; continue after the longest common prefix.
         let common = full
             .char_indices()
             .zip(self.text.chars())
@@ -108,19 +152,12 @@ impl StreamDecoder {
             .map_or(0, |((i, c), _)| i + c.len_utf8());
         Ok(full[common..].to_string())
     }
-
-    fn advance(&mut self, delta: String) {
-        self.text.push_str(&delta);
-        self.prefix_offset = self.read_offset;
-        self.read_offset = self.tokens.len();
-        self.prefix_text = None;
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenizer::tests::{write_byte_level_tokenizer, write_json, EOS};
+    use crate::text::tokenizer::tests::{write_byte_level_tokenizer, write_json, EOS};
     use rand::{Rng, SeedableRng};
     use serde_json::json;
     use std::path::Path;
@@ -268,13 +305,65 @@ mod tests {
     }
 
     #[test]
+    fn garbage_is_let_out_after_max_held_tokens() {
+        let (_dir, tok) = byte_level();
+        // One token per byte, its id the byte: 0xC3 starts a two-byte character, and a
+        // run of them never completes one.
+        let lead = 0xC3;
+        let mut decoder = StreamDecoder::new(false);
+        let pieces: Vec<String> = (0..MAX_HELD_TOKENS + 2)
+            .map(|_| decoder.push(&tok, lead).unwrap())
+            .collect();
+        assert!(
+            pieces[..MAX_HELD_TOKENS - 1].iter().all(String::is_empty),
+            "{pieces:?}"
+        );
+        assert_eq!(
+            pieces[MAX_HELD_TOKENS - 1],
+            "\u{FFFD}".repeat(MAX_HELD_TOKENS)
+        );
+        assert_eq!(pieces[MAX_HELD_TOKENS..], ["", ""]);
+        let a = tok.token_to_id("a").unwrap();
+        assert_eq!(decoder.push(&tok, a).unwrap(), "\u{FFFD}\u{FFFD}a");
+        assert_eq!(
+            decoder.text_so_far(),
+            tok.decode(decoder.tokens(), false).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_decoder_that_rewrites_across_tokens_falls_back_to_the_full_decode() {
+        // After Fuse, Replace sees the whole text: "a" then "b" decode to "XY", which does
+        // not extend "a", so DecodeStream's step fails there.
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Fuse"},
+                {"type": "Replace", "pattern": {"String": "ab"}, "content": "XY"}
+            ]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": {"a": 0, "b": 1, "c": 2}, "merges": []}
+        });
+        write_json(&dir.path().join("tokenizer.json"), &tokenizer);
+        let tok = TextTokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.decode(&[0, 1, 2], false).unwrap(), "XYc");
+        // "a" was already out when "b" rewrote it; emitted text is never taken back, so
+        // the stream goes on with what the full decode adds after their common prefix.
+        assert_eq!(stream(&tok, &[0, 1, 2], false), ["a", "XY", "c", ""]);
+    }
+
+    #[test]
     fn window_stays_small() {
         let (_dir, tok) = byte_level();
         let ids = tok.encode(&"hello world ".repeat(200), false).unwrap();
         let mut decoder = StreamDecoder::new(false);
         for id in &ids {
             decoder.push(&tok, *id).unwrap();
-            assert!(decoder.tokens.len() - decoder.prefix_offset <= 3);
+            assert!(decoder.window.len() <= 3, "{:?}", decoder.window);
         }
         assert_eq!(decoder.text_so_far(), "hello world ".repeat(200));
     }

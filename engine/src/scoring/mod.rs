@@ -5,7 +5,9 @@
 //!
 //! All scoring is on raw text (no chat template). Token ids are the tokenizer's ids of
 //! the text without special tokens, after BOS when the tokenizer adds one; log-softmax
-//! is taken in f32 whatever the model's dtype.
+//! is taken in f32 whatever the model's dtype. `batch` reads and runs many requests.
+
+pub mod batch;
 
 use std::collections::HashMap;
 
@@ -18,7 +20,7 @@ use dspec_plugin_api::{ModelCache, TargetModel};
 
 use crate::error::EngineError;
 use crate::loading::{LoadedLora, LoadedModel};
-use crate::tokenizer::TextTokenizer;
+use crate::text::tokenizer::TextTokenizer;
 
 /// Tokens per forward pass inside a window: bounds the `[tokens, vocab]` logits held
 /// at once; the KV cache carries the context across chunks, so this changes no result.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use serde_json::{json, Value};
 
 use super::ConvertError;
-use crate::gguf::GgufFile;
+use crate::formats::gguf::GgufFile;
 
 /// GGUF token types (llama.cpp's `llama_token_type`).
 const TYPE_CONTROL: i64 = 3;

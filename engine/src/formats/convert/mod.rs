@@ -14,7 +14,7 @@ use mlx_rs::{Array, Dtype};
 pub use config::SUPPORTED_ARCHITECTURES;
 use tensors::{hf_name, is_norm_weight, unpermute_qk};
 
-use crate::gguf::{GgufError, GgufFile};
+use crate::formats::gguf::{GgufError, GgufFile};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConvertError {
@@ -144,7 +144,7 @@ pub fn convert_gguf(
         let Some(name) = hf_name(&info.name, hf.conventions) else {
             continue;
         };
-        let shape = crate::gguf::hf_shape(info);
+        let shape = crate::formats::gguf::hf_shape(info);
         let mut data = g.dequantize_f32(info)?;
         if hf.conventions.permuted_qk {
             let rows = shape[0];

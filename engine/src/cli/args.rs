@@ -1,0 +1,376 @@
+//! Argument groups more than one subcommand takes: the plugins to load (global), the
+//! target and how to load it, and how a drafter drafts.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Args, ValueEnum};
+use mlx_rs::Dtype;
+
+use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
+use dspec_engine::runtime::Backend;
+use dspec_plugin_api::{AdapterRegistry, DraftAhead, DrafterOptions, LoadOptions, Quantization};
+
+/// Adapter plugins: shared libraries adding model families (see examples/adapter-plugin).
+#[derive(Args)]
+pub struct PluginArgs {
+    /// Load the adapter plugin in FILE (repeatable). Plugins are also loaded from the
+    /// directories in $DSPEC_PLUGIN_PATH and from $XDG_DATA_HOME/dspec/plugins
+    /// (default ~/.local/share/dspec/plugins), in that order.
+    #[arg(long = "plugin", value_name = "FILE", global = true)]
+    plugin: Vec<PathBuf>,
+    /// Let plugins load model types that a built-in adapter also handles (otherwise
+    /// such a clash is an error).
+    #[arg(long, global = true)]
+    plugin_override: bool,
+}
+
+impl PluginArgs {
+    /// The built-in adapters and every plugin found; notes go to stderr.
+    pub fn registry(&self) -> Result<AdapterRegistry> {
+        let options = PluginOptions {
+            files: self.plugin.clone(),
+            override_builtin: self.plugin_override,
+        };
+        let found = registry_with_plugins(&options, &PluginSearch::from_env())?;
+        for note in &found.notes {
+            eprintln!("note: {note}");
+        }
+        Ok(found.registry)
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum VerifyArg {
+    /// All positions of a verify in one forward (each weight read once).
+    Batched,
+    /// Each position through the one-token decode kernels: bitwise plain decoding.
+    #[value(alias = "rowwise")]
+    Exact,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    /// f32 on the CPU backend, the checkpoint's dtype on a GPU.
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+/// `--quantize`: bits of MLX's affine quantization (group size 64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QuantizeBits {
+    #[value(name = "4")]
+    Four,
+    #[value(name = "8")]
+    Eight,
+}
+
+impl QuantizeBits {
+    pub fn bits(self) -> i32 {
+        match self {
+            QuantizeBits::Four => 4,
+            QuantizeBits::Eight => 8,
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct ModelArgs {
+    /// Model directory (config.json, tokenizer.json, *.safetensors) or a cached hub id.
+    #[arg(long)]
+    pub target: String,
+    /// Cast float weights on load.
+    #[arg(long, value_enum, default_value = "auto")]
+    dtype: DtypeArg,
+    /// Quantize the weights on load to this many bits (MLX affine, group size 64).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeBits>,
+    /// How a speculative verify runs the target. `batched`: all drafted positions in one
+    /// forward, reading each weight once; where batched and one-row kernels round
+    /// differently (bf16 on a GPU) greedy output may differ from plain greedy at
+    /// near-ties of the logits (`dspec bench` reports each one). `exact`: each position
+    /// through the one-token decode kernels, bitwise plain greedy on every backend, at the
+    /// price of reading the weights once per position (docs/benchmarks.md measures what
+    /// a verify costs either way).
+    #[arg(long, value_enum, default_value = "batched")]
+    verify: VerifyArg,
+}
+
+impl ModelArgs {
+    pub fn load_options(&self, backend: Backend) -> LoadOptions {
+        let dtype = match self.dtype {
+            DtypeArg::Auto => backend.auto_dtype(),
+            DtypeArg::F32 => Some(Dtype::Float32),
+            DtypeArg::Bf16 => Some(Dtype::Bfloat16),
+            DtypeArg::F16 => Some(Dtype::Float16),
+        };
+        let quantize = self.quantize.map(|bits| Quantization {
+            bits: bits.bits(),
+            group_size: 64,
+        });
+        let rowwise_verify = matches!(self.verify, VerifyArg::Exact);
+        LoadOptions {
+            dtype,
+            quantize,
+            rowwise_verify,
+        }
+    }
+}
+
+/// How a drafter drafts; shared by `generate` and `bench`.
+#[derive(Args)]
+pub struct DraftTuning {
+    /// Longest n-gram the `ngram` drafter matches.
+    #[arg(long, default_value_t = 3)]
+    ngram: usize,
+    /// Tokens drafted per round: N (always N, fewer only near the end), `auto` (chosen
+    /// each round, up to 8, from the measured acceptance and draft/verify costs) or
+    /// `auto:N` (the same, up to N).
+    #[arg(long, default_value = "5", value_parser = parse_draft_length)]
+    pub max_draft: DraftLengthArg,
+    /// Quantize the drafter's weights on load: 4, 8, or 0 for full precision
+    /// (default: DSpark 4, others full precision).
+    #[arg(long, value_enum)]
+    drafter_bits: Option<DrafterBits>,
+    /// Cut a DSpark block where the drafter's confidence drops below this (0..1).
+    #[arg(long)]
+    confidence_threshold: Option<f32>,
+    /// A draft model keeps drafting on its own thread while the target verifies, so the
+    /// next round's drafts are often ready.
+    #[arg(long, value_enum, default_value = "auto")]
+    draft_ahead: DraftAheadArg,
+}
+
+/// `--drafter-bits`: 0 keeps the drafter's weights at full precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DrafterBits {
+    #[value(name = "0")]
+    Full,
+    #[value(name = "4")]
+    Four,
+    #[value(name = "8")]
+    Eight,
+}
+
+impl DrafterBits {
+    fn bits(self) -> i32 {
+        match self {
+            DrafterBits::Full => 0,
+            DrafterBits::Four => 4,
+            DrafterBits::Eight => 8,
+        }
+    }
+}
+
+/// `--draft-ahead`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DraftAheadArg {
+    /// `on` for GPU backends, else `off`.
+    Auto,
+    /// Draft ahead; a round still waits for --max-draft drafts.
+    On,
+    /// Draft only when a round asks.
+    Off,
+    /// Draft ahead, and a round whose drafts came true takes those ready then, at least
+    /// one, instead of waiting for --max-draft of them.
+    Eager,
+}
+
+/// `--max-draft`: a fixed count, or adaptive up to a bound.
+#[derive(Debug, Clone, Copy)]
+pub struct DraftLengthArg {
+    pub max: usize,
+    pub adaptive: bool,
+}
+
+/// Upper bound of `--max-draft auto`: past 8 drafts even a good drafter's later tokens
+/// are rarely kept, and the rows of a verify are not free.
+const AUTO_MAX_DRAFT: usize = 8;
+
+fn parse_draft_length(s: &str) -> std::result::Result<DraftLengthArg, String> {
+    let (adaptive, count) = match s.strip_prefix("auto") {
+        Some("") => {
+            return Ok(DraftLengthArg {
+                max: AUTO_MAX_DRAFT,
+                adaptive: true,
+            })
+        }
+        Some(rest) => match rest.strip_prefix(':') {
+            Some(n) => (true, n),
+            None => (false, s),
+        },
+        None => (false, s),
+    };
+    match count.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(max) => Ok(DraftLengthArg { max, adaptive }),
+        Err(_) => Err(format!(
+            "expected a number of tokens (5), `auto` or `auto:N` (auto:12), got {s:?}"
+        )),
+    }
+}
+
+impl DraftTuning {
+    /// `max_new_tokens`: `--max-tokens`, so a draft model can size its cache once.
+    pub fn options(&self, target_dtype: Dtype, max_new_tokens: usize) -> Result<DrafterOptions> {
+        if self.ngram == 0 {
+            bail!("--ngram must be at least 1");
+        }
+        if let Some(t) = self.confidence_threshold {
+            if !(0.0..=1.0).contains(&t) {
+                bail!("--confidence-threshold must be between 0 and 1, got {t}");
+            }
+        }
+        Ok(DrafterOptions {
+            bits: self.drafter_bits.map(DrafterBits::bits),
+            confidence_threshold: self.confidence_threshold,
+            ngram: self.ngram,
+            dtype: Some(target_dtype),
+            draft_ahead: match self.draft_ahead {
+                DraftAheadArg::Auto => None,
+                DraftAheadArg::On => Some(DraftAhead::On),
+                DraftAheadArg::Off => Some(DraftAhead::Off),
+                DraftAheadArg::Eager => Some(DraftAhead::Eager),
+            },
+            max_new_tokens: Some(max_new_tokens),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+    use clap::Parser;
+
+    use super::*;
+
+    /// The shared groups as `generate` and `bench` flatten them.
+    #[derive(Parser)]
+    struct Probe {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        tuning: DraftTuning,
+    }
+
+    fn parse(extra: &[&str]) -> Result<Probe, clap::Error> {
+        let args = ["dspec", "--target", "model-dir"];
+        Probe::try_parse_from(args.iter().chain(extra))
+    }
+
+    fn rejected(extra: &[&str], flag: &str) {
+        let err = parse(extra)
+            .err()
+            .unwrap_or_else(|| panic!("{extra:?} accepted"));
+        assert_eq!(err.kind(), ErrorKind::InvalidValue, "{extra:?}: {err}");
+        assert!(err.to_string().contains(flag), "{err}");
+    }
+
+    fn drafter_options(extra: &[&str]) -> DrafterOptions {
+        let probe = parse(extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+        probe
+            .tuning
+            .options(Dtype::Float32, 16)
+            .unwrap_or_else(|e| panic!("{extra:?}: {e}"))
+    }
+
+    #[test]
+    fn quantize_takes_4_or_8() {
+        let bits = |extra: &[&str]| {
+            let probe = parse(extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+            let options = probe.model.load_options(Backend::Cpu);
+            options.quantize.map(|q| (q.bits, q.group_size))
+        };
+        assert_eq!(bits(&[]), None);
+        assert_eq!(bits(&["--quantize", "4"]), Some((4, 64)));
+        assert_eq!(bits(&["--quantize", "8"]), Some((8, 64)));
+        for bad in ["3", "16", "four"] {
+            rejected(&["--quantize", bad], "--quantize");
+        }
+    }
+
+    #[test]
+    fn verify_exact_and_its_alias_rowwise_select_the_rowwise_verify() {
+        let rowwise = |extra: &[&str]| {
+            let probe = parse(extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+            probe.model.load_options(Backend::Cpu).rowwise_verify
+        };
+        assert!(!rowwise(&[]));
+        assert!(!rowwise(&["--verify", "batched"]));
+        assert!(rowwise(&["--verify", "exact"]));
+        assert!(rowwise(&["--verify", "rowwise"]));
+        rejected(&["--verify", "fast"], "--verify");
+    }
+
+    #[test]
+    fn dtype_auto_follows_the_backend() {
+        let probe = parse(&[]).expect("defaults parse");
+        assert_eq!(
+            probe.model.load_options(Backend::Cpu).dtype,
+            Backend::Cpu.auto_dtype()
+        );
+        let probe = parse(&["--dtype", "bf16"]).expect("bf16 parses");
+        assert_eq!(
+            probe.model.load_options(Backend::Cpu).dtype,
+            Some(Dtype::Bfloat16)
+        );
+    }
+
+    #[test]
+    fn drafter_bits_take_0_4_or_8() {
+        assert_eq!(drafter_options(&[]).bits, None);
+        for (arg, bits) in [("0", 0), ("4", 4), ("8", 8)] {
+            assert_eq!(
+                drafter_options(&["--drafter-bits", arg]).bits,
+                Some(bits),
+                "{arg}"
+            );
+        }
+        rejected(&["--drafter-bits", "2"], "--drafter-bits");
+    }
+
+    #[test]
+    fn draft_ahead_values_map_to_the_drafter_option() {
+        assert_eq!(drafter_options(&[]).draft_ahead, None, "default auto");
+        for (arg, ahead) in [
+            ("auto", None),
+            ("on", Some(DraftAhead::On)),
+            ("off", Some(DraftAhead::Off)),
+            ("eager", Some(DraftAhead::Eager)),
+        ] {
+            assert_eq!(
+                drafter_options(&["--draft-ahead", arg]).draft_ahead,
+                ahead,
+                "{arg}"
+            );
+        }
+        rejected(&["--draft-ahead", "sometimes"], "--draft-ahead");
+    }
+
+    #[test]
+    fn max_draft_is_a_count_auto_or_auto_with_a_bound() {
+        let length = |extra: &[&str]| {
+            let probe = parse(extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+            (probe.tuning.max_draft.max, probe.tuning.max_draft.adaptive)
+        };
+        assert_eq!(length(&[]), (5, false));
+        assert_eq!(length(&["--max-draft", "12"]), (12, false));
+        assert_eq!(length(&["--max-draft", "auto"]), (AUTO_MAX_DRAFT, true));
+        assert_eq!(length(&["--max-draft", "auto:3"]), (3, true));
+        for bad in ["0", "auto:0", "many", "auto3", "-1"] {
+            assert!(parse(&["--max-draft", bad]).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn drafter_option_ranges_are_checked() {
+        let probe = parse(&["--ngram", "0"]).expect("parses");
+        let err = probe.tuning.options(Dtype::Float32, 16).unwrap_err();
+        assert!(err.to_string().contains("--ngram"), "{err}");
+        let probe = parse(&["--confidence-threshold", "1.5"]).expect("parses");
+        let err = probe.tuning.options(Dtype::Float32, 16).unwrap_err();
+        assert!(err.to_string().contains("--confidence-threshold"), "{err}");
+    }
+}

@@ -1,0 +1,129 @@
+//! `dspec bench`: plain greedy and speculative decoding on the same prompts in one
+//! process, as a table or JSON; a real mismatch between the two is an error.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
+use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::loading::load_model;
+use dspec_engine::runtime::Backend;
+
+use super::args::{DraftTuning, ModelArgs, PluginArgs};
+use super::prompt::encode_prompt;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The drafter to measure (as for `generate --drafter`).
+    #[arg(long)]
+    drafter: String,
+    #[command(flatten)]
+    tuning: DraftTuning,
+    /// Prompts to run: one per line, or JSON lines with a "prompt" field.
+    /// Default: a built-in set (code, chat, a repetitive edit).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Feed prompts as raw text instead of through the model's chat template.
+    #[arg(long)]
+    no_chat_template: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Warm prefills timed per prompt after its first call (reported apart); the median
+    /// is reported. 0 skips prefill measurement.
+    #[arg(long, default_value_t = 3)]
+    prefill_runs: usize,
+    /// Also measure prefill of synthetic prompts of these lengths in tokens (the bench
+    /// prompts' token ids repeated), e.g. 1024,4096,16384.
+    #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
+    prefill_lengths: Vec<usize>,
+}
+
+pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if !args.prefill_lengths.is_empty() && args.prefill_runs == 0 {
+        bail!("--prefill-lengths needs --prefill-runs of at least 1");
+    }
+    let prompts: Vec<String> = match &args.prompts {
+        Some(path) => read_prompts(path)?,
+        None => DEFAULT_PROMPTS.iter().map(|p| p.to_string()).collect(),
+    };
+    let backend = Backend::detect();
+    let options = args.model.load_options(backend);
+    let registry = plugins.registry()?;
+    let show_progress = std::io::stderr().is_terminal() && !args.json;
+    let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
+    let drafter_options = args
+        .tuning
+        .options(loaded.model.info().dtype, args.max_tokens)?;
+    let mut drafter = load_drafter(
+        &args.drafter,
+        &loaded,
+        &registry,
+        &options,
+        &drafter_options,
+    )
+    .with_context(|| format!("loading --drafter {}", args.drafter))?;
+    let ids = prompts
+        .iter()
+        .map(|p| encode_prompt(&loaded.tokenizer, p, None, !args.no_chat_template, None))
+        .collect::<Result<Vec<_>>>()?;
+    let settings = dspec_engine::bench::BenchSettings {
+        max_tokens: args.max_tokens,
+        max_draft: args.tuning.max_draft.max,
+        adaptive: args.tuning.max_draft.adaptive,
+        prefill: dspec_engine::bench::PrefillPlan {
+            warm_runs: args.prefill_runs,
+            synthetic_lengths: args.prefill_lengths.clone(),
+        },
+    };
+    let report = bench_prompts(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        drafter.as_mut(),
+        &ids,
+        &settings,
+    )?;
+    if args.json {
+        let info = loaded.model.info();
+        let out = serde_json::json!({
+            "target": loaded.dir,
+            "model_type": info.model_type,
+            "dtype": format!("{:?}", info.dtype),
+            "device": backend.device_name(),
+            "drafter_arg": args.drafter,
+            "report": report,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "target {} on {}, drafter {} (max draft {}{}), {} greedy tokens per prompt",
+            loaded.dir.display(),
+            backend.device_name(),
+            report.drafter,
+            report.max_draft,
+            if report.adaptive { ", adaptive" } else { "" },
+            report.max_tokens
+        );
+        print!("{}", report.table());
+    }
+    if report.real_mismatches > 0 {
+        bail!("speculative and plain greedy outputs differ where rounding cannot explain it (see the table): this is a bug in dspec, please report it");
+    }
+    if report.near_ties > 0 {
+        eprintln!(
+            "note: {} prompt(s) differ only at a near-tie (two logits within rounding of each other), which a batched verify may round the other way",
+            report.near_ties
+        );
+    }
+    Ok(())
+}

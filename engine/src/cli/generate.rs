@@ -1,0 +1,244 @@
+//! `dspec generate`: a prompt (flag, file or stdin) through the chat template, plain or
+//! speculative decoding, streamed text and a statistics line (or one JSON object).
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::decoding::generate::{generate, GenerationConfig, GenerationOutput};
+use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
+use dspec_engine::loading::load_model;
+use dspec_engine::runtime::Backend;
+
+use super::args::{DraftTuning, ModelArgs, PluginArgs};
+use super::prompt::encode_prompt;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text; `-` reads it from standard input.
+    #[arg(long, short = 'p', conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// System message for the chat template.
+    #[arg(long)]
+    system: Option<String>,
+    /// Feed the prompt as raw text instead of through the model's chat template.
+    #[arg(long)]
+    no_chat_template: bool,
+    /// Passed to chat templates that support it (e.g. Qwen3's thinking switch).
+    #[arg(long)]
+    enable_thinking: Option<bool>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 means greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens less likely than min_p × the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text is generated (repeatable); it is not printed.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+    /// Print the text only when generation is done.
+    #[arg(long)]
+    no_stream: bool,
+    /// Print one JSON object with the text and statistics.
+    #[arg(long)]
+    json: bool,
+    /// Speculative decoding with this drafter: `ngram` (prompt lookup), a DFlash or
+    /// DSpark checkpoint (directory or cached hub id; its config.json says which), or
+    /// `model:DIR` (a smaller model with the target's tokenizer).
+    #[arg(long)]
+    drafter: Option<String>,
+    #[command(flatten)]
+    tuning: DraftTuning,
+    /// Write one JSON line per speculative round (drafted tokens, accepted count) here.
+    #[arg(long, requires = "drafter")]
+    trace: Option<PathBuf>,
+}
+
+fn read_prompt(args: &GenerateArgs) -> Result<String> {
+    match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) if p == "-" => {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .context("reading the prompt from standard input")?;
+            Ok(s)
+        }
+        (Some(p), _) => Ok(p.clone()),
+        (None, Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("reading --prompt-file {}", file.display())),
+        (None, None) => {
+            bail!("give a prompt with --prompt TEXT, --prompt - (stdin) or --prompt-file FILE")
+        }
+    }
+}
+
+fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
+    if args.temperature < 0.0 || !args.temperature.is_finite() {
+        bail!(
+            "--temperature must be ≥ 0 (0 = greedy), got {}",
+            args.temperature
+        );
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", args.top_p);
+    }
+    if !(0.0..1.0).contains(&args.min_p) {
+        bail!("--min-p must be in [0, 1), got {}", args.min_p);
+    }
+    Ok(SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+    })
+}
+
+pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
+    let prompt_text = read_prompt(&args)?;
+    let sampling = sampling_params(&args)?;
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let backend = Backend::detect();
+    let options = args.model.load_options(backend);
+    let registry = plugins.registry()?;
+    let show_progress = std::io::stderr().is_terminal() && !args.json;
+    let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
+    let tokenizer = &loaded.tokenizer;
+
+    let prompt_ids = encode_prompt(
+        tokenizer,
+        &prompt_text,
+        args.system.as_deref(),
+        !args.no_chat_template,
+        args.enable_thinking,
+    )?;
+
+    let config = GenerationConfig {
+        max_tokens: args.max_tokens,
+        sampling,
+        stop_strings: args.stop.clone(),
+        eos_ids: tokenizer.eos_token_ids().to_vec(),
+    };
+    let stream = !args.no_stream && !args.json;
+    let mut stdout = std::io::stdout();
+    let mut on_text = |piece: &str| {
+        if stream {
+            // A closed pipe (e.g. `| head`) is not an error worth a panic.
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    };
+    let (output, speculative) = match args.drafter.as_deref() {
+        None => (
+            generate(
+                loaded.model.as_ref(),
+                tokenizer,
+                &prompt_ids,
+                &config,
+                &mut on_text,
+            )?,
+            None,
+        ),
+        Some(spec) => {
+            let drafter_options = args
+                .tuning
+                .options(loaded.model.info().dtype, args.max_tokens)?;
+            let mut drafter = load_drafter(spec, &loaded, &registry, &options, &drafter_options)
+                .with_context(|| format!("loading --drafter {spec}"))?;
+            let mut trace_file = match &args.trace {
+                Some(path) => Some(std::io::BufWriter::new(
+                    std::fs::File::create(path)
+                        .with_context(|| format!("creating --trace {}", path.display()))?,
+                )),
+                None => None,
+            };
+            let out = generate_speculative(
+                loaded.model.as_ref(),
+                tokenizer,
+                &prompt_ids,
+                &config,
+                Speculation {
+                    drafter: drafter.as_mut(),
+                    max_draft: args.tuning.max_draft.max,
+                    adaptive: args.tuning.max_draft.adaptive,
+                    trace: trace_file.as_mut().map(|f| f as &mut dyn Write),
+                },
+                &mut on_text,
+            )?;
+            if let Some(mut f) = trace_file {
+                f.flush().context("writing --trace")?;
+            }
+            let generation = GenerationOutput {
+                text: out.text,
+                tokens: out.tokens,
+                stats: out.stats,
+            };
+            (generation, Some(out.speculative))
+        }
+    };
+    let s = &output.stats;
+    if args.json {
+        let info = loaded.model.info();
+        let report = serde_json::json!({
+            "text": output.text,
+            "model": {
+                "dir": loaded.dir,
+                "adapter": loaded.adapter,
+                "model_type": info.model_type,
+                "dtype": format!("{:?}", info.dtype),
+                "quantized_bits": info.quantized_bits,
+                "device": backend.device_name(),
+            },
+            "stats": s,
+            "speculative": speculative,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    if !stream {
+        print!("{}", output.text);
+    }
+    println!();
+    eprintln!(
+        "[dspec] prompt {} tokens, prefill {:.1} tok/s | generated {} tokens, decode {:.1} tok/s | stop: {}",
+        s.prompt_tokens,
+        s.prefill_tokens_per_second,
+        s.generated_tokens,
+        s.decode_tokens_per_second,
+        serde_json::to_value(s.stop_reason)?.as_str().unwrap_or("?"),
+    );
+    if let Some(sp) = speculative {
+        eprintln!(
+            "[dspec] drafter {}: tau {:.2} tokens/forward over {} target forwards, {}/{} drafts accepted, acceptance histogram {:?}, {:.0}% of decode time drafting",
+            sp.drafter,
+            sp.tau,
+            sp.target_forwards,
+            sp.accepted_tokens,
+            sp.drafted_tokens,
+            sp.acceptance_histogram,
+            100.0 * sp.draft_time_share,
+        );
+    }
+    Ok(())
+}

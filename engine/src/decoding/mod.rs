@@ -1,0 +1,9 @@
+//! The decode loops and what they are made of: plain decoding, speculative decoding with
+//! lossless acceptance, sampling, the per-round draft length, and loading a drafter.
+
+pub mod acceptance;
+pub mod draft_length;
+pub mod drafting;
+pub mod generate;
+pub mod sampling;
+pub mod speculative;
