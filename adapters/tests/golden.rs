@@ -19,8 +19,9 @@ use dspec_plugin_api::{AdapterRegistry, LoadOptions, LoadRequest, ModelCache, Ta
 /// split them differently), the approximations of exp/tanh/pow, and the expected
 /// values' rounding to 6 significant digits (up to 5e-6 relative), which dominates.
 /// On these checkpoints the worst difference uses about a sixteenth of the bound (the
-/// test prints the share with `--nocapture`), and a wrong layer moves logits by far more
-/// than the bound (issue 17's note lists the planted mistakes this test caught).
+/// test prints the share with `--nocapture`), while the mistakes planted to check this
+/// test (gate/up names swapped, gemma's 1 + w dropped, GELU and SiLU swapped, interleaved
+/// rotary pairs, rope_theta ignored, a window one key off) put most logits far beyond it.
 const ABS_TOL: f32 = 1e-4;
 const REL_TOL: f32 = 1e-4;
 
