@@ -9,10 +9,10 @@ use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
-use dspec_plugin_api::backend::Backend;
 use dspec_plugin_api::error::Result;
-use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{KvCache, WeightSource};
+use dspec_runtime::slicing::slice_axis;
+use dspec_runtime::Backend;
 
 use crate::layers::{
     is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight, RmsNorm,
@@ -503,22 +503,34 @@ impl Attention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{parse_config, CommonConfig};
-    use dspec_plugin_api::weights::RandomWeights;
+    use crate::fixtures::RandomWeights;
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
 
-    /// A qwen2-style layer (biased q/k/v, no norms), built as the families build theirs.
+    /// A qwen2-style layer (biased q/k/v, no norms): hidden 32, 4 query heads of 8 over
+    /// 2 KV heads, plain RoPE.
     fn spec() -> AttentionSpec {
-        let config = serde_json::json!({
-            "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        });
-        let dir = std::path::Path::new(".");
-        let c: CommonConfig = parse_config(&config, dir).unwrap();
+        let rope = Rope::from_config(
+            8,
+            10_000.0,
+            &serde_json::Value::Null,
+            std::path::Path::new("config.json"),
+        )
+        .unwrap();
         AttentionSpec {
+            hidden: 32,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            scale: 8f32.powf(-0.5),
             qkv_bias: true,
-            ..c.attention(c.global_rope(&dir.join("config.json")).unwrap())
+            o_bias: false,
+            qk_norm: None,
+            sliding_window: None,
+            softcap: None,
+            rope,
+            k_eq_v: false,
+            v_norm: None,
         }
     }
 

@@ -7,12 +7,12 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::weights::Weights;
 use dspec_plugin_api::{LoadRequest, TargetModel};
 
 use crate::attention::AttentionSpec;
 use crate::layers::{Activation, NormWeight, Rope};
 use crate::transformer::{Decoder, DecoderSpec, NormLayout};
+use crate::weights::ProgressWeights;
 
 fn default_eps() -> f32 {
     1e-6
@@ -209,48 +209,6 @@ pub fn load_decoder(req: &LoadRequest, spec: DecoderSpec) -> Result<Box<dyn Targ
     let mut weights = ProgressWeights::open(req)?;
     let model = Decoder::load(spec, &mut weights)?;
     Ok(Box::new(model))
-}
-
-/// Forwards to [`Weights`] and reports progress as tensors are taken.
-pub(crate) struct ProgressWeights<'a> {
-    inner: Weights,
-    progress: &'a dyn Fn(usize, usize),
-}
-
-impl<'a> ProgressWeights<'a> {
-    /// The checkpoint of `req`, reporting to its progress callback.
-    pub(crate) fn open(req: &LoadRequest<'a>) -> Result<Self> {
-        Ok(Self {
-            inner: Weights::open(req.dir, req.options)?,
-            progress: req.progress,
-        })
-    }
-}
-
-impl dspec_plugin_api::WeightSource for ProgressWeights<'_> {
-    fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<mlx_rs::Array> {
-        let t = self.inner.tensor(name, shape)?;
-        // MLX reads lazily; evaluating here makes progress reflect the real I/O and
-        // frees the checkpoint-dtype copy as soon as a cast tensor exists.
-        t.eval()?;
-        (self.progress)(self.inner.taken(), self.inner.total());
-        Ok(t)
-    }
-
-    fn contains(&self, name: &str) -> bool {
-        self.inner.contains(name)
-    }
-
-    fn raw(&mut self, name: &str) -> Result<mlx_rs::Array> {
-        let t = self.inner.raw(name)?;
-        t.eval()?;
-        (self.progress)(self.inner.taken(), self.inner.total());
-        Ok(t)
-    }
-
-    fn options(&self) -> &dspec_plugin_api::LoadOptions {
-        self.inner.options()
-    }
 }
 
 /// A built-in decoder family's config mapping, registered next to its adapter so

@@ -23,10 +23,10 @@ use serde_json::Value;
 use dspec_adapters::attention::AttentionSpec;
 use dspec_adapters::layers::{softcap, Activation, Embedding, Linear, NormWeight, RmsNorm, Rope};
 use dspec_adapters::transformer::{DecoderLayer, DecoderSpec, NormLayout};
+use dspec_adapters::weights::Weights;
 
 use crate::context::ContextLayers;
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::weights::{RandomWeights, Weights};
 use dspec_plugin_api::{
     inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, LoadOptions, TargetModel,
     TokenPicker, WeightSource,
@@ -38,6 +38,7 @@ const DEFAULT_BITS: i32 = 4;
 
 /// A tiny qwen3-family DSpark checkpoint config fitting the tiny qwen3 target of
 /// `dspec_engine::tiny_model` (vocab 259, hidden 32, 2 layers): taps both target layers.
+#[cfg(any(test, feature = "test-fixtures"))]
 pub const TINY_DSPARK_QWEN3: &str = r#"{
     "model_type": "qwen3",
     "hidden_size": 32,
@@ -61,7 +62,8 @@ pub const TINY_DSPARK_QWEN3: &str = r#"{
 }"#;
 
 /// The gemma4-family counterpart, fitting the tiny gemma4 target
-/// (`dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES` on the tiny model).
+/// (`dspec_adapters::fixtures::TINY_GEMMA4_OVERRIDES` on the tiny model).
+#[cfg(any(test, feature = "test-fixtures"))]
 pub const TINY_DSPARK_GEMMA4: &str = r#"{
     "model_type": "gemma4_text",
     "hidden_size": 32,
@@ -710,6 +712,7 @@ inventory::submit! {
 /// Writes a random DSpark checkpoint (config.json + model.safetensors, the real schema
 /// and tensor names) for tests. The tensors are the ones the loader asks for, so the
 /// fixture and the loader cannot drift apart.
+#[cfg(any(test, feature = "test-fixtures"))]
 pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> {
     let path = dir.join("config.json");
     let config: Value = serde_json::from_str(config_json)
@@ -719,7 +722,7 @@ pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Resu
         path: dir.to_path_buf(),
         source,
     })?;
-    let mut weights = RandomWeights::new(seed)?;
+    let mut weights = dspec_adapters::fixtures::RandomWeights::new(seed)?;
     DSparkModel::load(&cfg, &mut weights, &path, None)?;
     weights.save(dir, None)?;
     let text = serde_json::to_string_pretty(&config)

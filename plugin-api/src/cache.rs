@@ -7,7 +7,7 @@ use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::slicing::{slice_axis, write_axis};
+use dspec_runtime::slicing::{slice_axis, write_axis};
 
 /// Buffers are allocated in multiples of this many positions. Deliberately not 256:
 /// MLX's CUDA backend sends one-token attention over a buffer whose length is a multiple
