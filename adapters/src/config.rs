@@ -197,10 +197,16 @@ impl CommonConfig {
     }
 }
 
-/// Parses a family config from config.json's JSON, naming the file on failure.
+/// Parses a family config from config.json's JSON. An error names the file and the
+/// field it is about (`rope_parameters.rope_theta`); a missing field names itself.
 pub fn parse_config<T: DeserializeOwned>(config: &serde_json::Value, dir: &Path) -> Result<T> {
-    serde_json::from_value(config.clone()).map_err(|e| {
-        ModelError::config(dir.join("config.json"), format!("unexpected contents: {e}"))
+    serde_path_to_error::deserialize(config).map_err(|e| {
+        let message = match e.path().iter().next() {
+            // Reported on the object that lacks it: serde's message names the field.
+            None => format!("unexpected contents: {}", e.inner()),
+            Some(_) => format!("unexpected contents: `{}`: {}", e.path(), e.inner()),
+        };
+        ModelError::config(dir.join("config.json"), message)
     })
 }
 
