@@ -114,8 +114,9 @@ pub const WHOLE_BUFFER_MAX_TOKENS: i32 = 32;
 /// with the key length growing by the kept tokens every round, each verify paid a
 /// graph build. Over the whole buffer the key length is the capacity, which changes
 /// rarely ([`KvCache::capacity_for`]), so the graphs are built once per width and
-/// capacity. Metal's and the CPU's attention build nothing per length, and there the
-/// unwritten part of the buffer would only be read for nothing.
+/// capacity (what that saves: docs/benchmarks.md, "Where the time goes on CUDA").
+/// Metal's and the CPU's attention build nothing per length, and there the unwritten
+/// part of the buffer would only be read for nothing.
 pub fn whole_buffer_pays() -> bool {
     Backend::current() == Backend::Cuda
 }

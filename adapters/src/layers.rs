@@ -679,7 +679,7 @@ impl Activation {
     /// `act(gate) · up` as one compiled (fused) kernel. The compiled function is built
     /// once per thread and kept: mlx-rs gives every `compile` call a new function id,
     /// so compiling per call would trace and fuse the graph again on every layer of every
-    /// step (callgrind, 28-layer generation on CPU: 15% of all host instructions).
+    /// step: host work on the path of every token.
     fn gated(self, gate: &Array, up: &Array) -> Result<Array> {
         type Gated =
             Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
