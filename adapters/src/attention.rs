@@ -175,7 +175,7 @@ impl Mask {
 /// The mask of `len` positions after `offset` cached ones under an optional window.
 pub fn attention_mask(offset: i32, len: i32, window: Option<i32>) -> Result<Mask> {
     let total = offset + len;
-    if !window.is_some_and(|w| total > w) {
+    if window.is_none_or(|w| total <= w) {
         return Ok(if len == 1 { Mask::All } else { Mask::Causal });
     }
     Ok(Mask::Keys(visible_keys(offset, len, window)?))

@@ -843,9 +843,9 @@ mod tests {
         // the one running the test).
         for backend in [Backend::Cuda, Backend::Cpu] {
             let apart = rows_apart(&x, backend).unwrap();
-            let rows = matmul(&apart, &product.broadcast(4).unwrap()).unwrap();
+            let rows = matmul(&apart, product.broadcast(4).unwrap()).unwrap();
             for r in 0..4 {
-                let one = matmul(&x.try_index(r..r + 1).unwrap(), &product.weight_t).unwrap();
+                let one = matmul(x.try_index(r..r + 1).unwrap(), &product.weight_t).unwrap();
                 let row = rows.try_index(r..r + 1).unwrap();
                 assert!(
                     row.all_close(&one, 1e-5, 1e-5, None).unwrap(),
