@@ -9,10 +9,10 @@ use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
-use dspec_plugin_api::backend::Backend;
 use dspec_plugin_api::error::Result;
-use dspec_plugin_api::slicing::slice_axis;
 use dspec_plugin_api::{KvCache, WeightSource};
+use dspec_runtime::slicing::slice_axis;
+use dspec_runtime::Backend;
 
 use crate::layers::{
     is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight, RmsNorm,
@@ -124,8 +124,9 @@ pub fn padded_continuation(len: i32) -> i32 {
 /// with the key length growing by the kept tokens every round, each verify paid a
 /// graph build. Over the whole buffer the key length is the capacity, which changes
 /// rarely ([`KvCache::capacity_for`]), so the graphs are built once per width and
-/// capacity. Metal's and the CPU's attention build nothing per length, and there the
-/// unwritten part of the buffer would only be read for nothing.
+/// capacity (what that saves: docs/benchmarks.md, "Where the time goes on CUDA").
+/// Metal's and the CPU's attention build nothing per length, and there the unwritten
+/// part of the buffer would only be read for nothing.
 pub fn whole_buffer_pays() -> bool {
     Backend::current() == Backend::Cuda
 }
@@ -184,7 +185,7 @@ impl Mask {
 /// The mask of `len` positions after `offset` cached ones under an optional window.
 pub fn attention_mask(offset: i32, len: i32, window: Option<i32>) -> Result<Mask> {
     let total = offset + len;
-    if !window.is_some_and(|w| total > w) {
+    if window.is_none_or(|w| total <= w) {
         return Ok(if len == 1 { Mask::All } else { Mask::Causal });
     }
     Ok(Mask::Keys(visible_keys(offset, len, window)?))
@@ -513,22 +514,34 @@ impl Attention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{parse_config, CommonConfig};
-    use dspec_plugin_api::weights::RandomWeights;
+    use crate::fixtures::RandomWeights;
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
 
-    /// A qwen2-style layer (biased q/k/v, no norms), built as the families build theirs.
+    /// A qwen2-style layer (biased q/k/v, no norms): hidden 32, 4 query heads of 8 over
+    /// 2 KV heads, plain RoPE.
     fn spec() -> AttentionSpec {
-        let config = serde_json::json!({
-            "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        });
-        let dir = std::path::Path::new(".");
-        let c: CommonConfig = parse_config(&config, dir).unwrap();
+        let rope = Rope::from_config(
+            8,
+            10_000.0,
+            &serde_json::Value::Null,
+            std::path::Path::new("config.json"),
+        )
+        .unwrap();
         AttentionSpec {
+            hidden: 32,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            scale: 8f32.powf(-0.5),
             qkv_bias: true,
-            ..c.attention(c.global_rope(&dir.join("config.json")).unwrap())
+            o_bias: false,
+            qk_norm: None,
+            sliding_window: None,
+            softcap: None,
+            rope,
+            k_eq_v: false,
+            v_norm: None,
         }
     }
 

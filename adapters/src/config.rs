@@ -7,12 +7,12 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::weights::Weights;
 use dspec_plugin_api::{LoadRequest, TargetModel};
 
 use crate::attention::AttentionSpec;
 use crate::layers::{Activation, NormWeight, Rope};
 use crate::transformer::{Decoder, DecoderSpec, NormLayout};
+use crate::weights::ProgressWeights;
 
 fn default_eps() -> f32 {
     1e-6
@@ -197,10 +197,16 @@ impl CommonConfig {
     }
 }
 
-/// Parses a family config from config.json's JSON, naming the file on failure.
+/// Parses a family config from config.json's JSON. An error names the file and the
+/// field it is about (`rope_parameters.rope_theta`); a missing field names itself.
 pub fn parse_config<T: DeserializeOwned>(config: &serde_json::Value, dir: &Path) -> Result<T> {
-    serde_json::from_value(config.clone()).map_err(|e| {
-        ModelError::config(dir.join("config.json"), format!("unexpected contents: {e}"))
+    serde_path_to_error::deserialize(config).map_err(|e| {
+        let message = match e.path().iter().next() {
+            // Reported on the object that lacks it: serde's message names the field.
+            None => format!("unexpected contents: {}", e.inner()),
+            Some(_) => format!("unexpected contents: `{}`: {}", e.path(), e.inner()),
+        };
+        ModelError::config(dir.join("config.json"), message)
     })
 }
 
@@ -209,48 +215,6 @@ pub fn load_decoder(req: &LoadRequest, spec: DecoderSpec) -> Result<Box<dyn Targ
     let mut weights = ProgressWeights::open(req)?;
     let model = Decoder::load(spec, &mut weights)?;
     Ok(Box::new(model))
-}
-
-/// Forwards to [`Weights`] and reports progress as tensors are taken.
-pub(crate) struct ProgressWeights<'a> {
-    inner: Weights,
-    progress: &'a dyn Fn(usize, usize),
-}
-
-impl<'a> ProgressWeights<'a> {
-    /// The checkpoint of `req`, reporting to its progress callback.
-    pub(crate) fn open(req: &LoadRequest<'a>) -> Result<Self> {
-        Ok(Self {
-            inner: Weights::open(req.dir, req.options)?,
-            progress: req.progress,
-        })
-    }
-}
-
-impl dspec_plugin_api::WeightSource for ProgressWeights<'_> {
-    fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<mlx_rs::Array> {
-        let t = self.inner.tensor(name, shape)?;
-        // MLX reads lazily; evaluating here makes progress reflect the real I/O and
-        // frees the checkpoint-dtype copy as soon as a cast tensor exists.
-        t.eval()?;
-        (self.progress)(self.inner.taken(), self.inner.total());
-        Ok(t)
-    }
-
-    fn contains(&self, name: &str) -> bool {
-        self.inner.contains(name)
-    }
-
-    fn raw(&mut self, name: &str) -> Result<mlx_rs::Array> {
-        let t = self.inner.raw(name)?;
-        t.eval()?;
-        (self.progress)(self.inner.taken(), self.inner.total());
-        Ok(t)
-    }
-
-    fn options(&self) -> &dspec_plugin_api::LoadOptions {
-        self.inner.options()
-    }
 }
 
 /// A built-in decoder family's config mapping, registered next to its adapter so

@@ -1,16 +1,21 @@
 //! Tiny random checkpoints of any built-in family, written to disk as real model
 //! directories (config.json + model.safetensors) so tests exercise the same loading
 //! path as users; plus the one-line conformance test every family file runs.
+//!
+//! Behind the `test-fixtures` feature: the crates whose tests build on these enable it
+//! from their dev-dependencies, and a release build has none of it.
+
+mod random_weights;
 
 use std::path::Path;
 
-use dspec_plugin_api::conformance::check_target_model;
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::weights::RandomWeights;
 use dspec_plugin_api::{AdapterRegistry, LoadOptions, LoadRequest, Quantization, TargetModel};
 
 use crate::config::DecoderFamily;
 use crate::transformer::Decoder;
+
+pub use random_weights::RandomWeights;
 
 /// A 2-layer llama small enough to run in milliseconds; other families are written
 /// as overrides of it (see [`with`]). GQA (4 query heads over 2 KV heads) on purpose.
@@ -28,6 +33,30 @@ pub const TINY_LLAMA: &str = r#"{
     "max_position_embeddings": 256,
     "tie_word_embeddings": false,
     "torch_dtype": "float32"
+}"#;
+
+/// A tiny dense Gemma 4 as overrides of [`TINY_LLAMA`]: layer 0 sliding (window 5,
+/// head_dim 16, own v_proj), layer 1 full attention (head_dim 32, one KV head
+/// with values from the key projection, a quarter of each half-head rotated).
+pub const TINY_GEMMA4_OVERRIDES: &str = r#"{
+    "model_type": "gemma4_text",
+    "architectures": ["Gemma4ForCausalLM"],
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": true,
+    "hidden_size_per_layer_input": 0,
+    "num_kv_shared_layers": 0,
+    "enable_moe_block": false,
+    "sliding_window": 5,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}
+    },
+    "final_logit_softcapping": 30.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": true
 }"#;
 
 /// `base` with the top-level keys of `overrides` replaced (both JSON objects).
@@ -97,6 +126,8 @@ pub fn load_dir(dir: &Path, options: &LoadOptions) -> Result<Box<dyn TargetModel
 
 /// The conformance test of a family: float checkpoint, quantized checkpoint, and
 /// quantize-on-load all pass the shared checker. Panics with the failing comparison.
+/// For this crate's own tests, which alone have `tempfile`.
+#[cfg(test)]
 pub fn check_family(config_json: &str) {
     let q4 = Quantization {
         bits: 4,
@@ -135,6 +166,7 @@ pub fn check_family(config_json: &str) {
                 "{what}: model should report quantized layers"
             );
         }
-        check_target_model(model.as_ref()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        dspec_plugin_api::conformance::check_target_model(model.as_ref())
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
     }
 }

@@ -250,36 +250,13 @@ crate::decoder_family! {
     spec: spec,
 }
 
-/// Test fixture: a tiny dense Gemma 4 as overrides of [`crate::fixtures::TINY_LLAMA`]: layer 0 sliding
-/// (window 5, head_dim 16, own v_proj), layer 1 full attention (head_dim 32, one KV head
-/// with values from the key projection, a quarter of each half-head rotated).
-pub const TINY_GEMMA4_OVERRIDES: &str = r#"{
-    "model_type": "gemma4_text",
-    "architectures": ["Gemma4ForCausalLM"],
-    "head_dim": 16,
-    "global_head_dim": 32,
-    "num_global_key_value_heads": 1,
-    "attention_k_eq_v": true,
-    "hidden_size_per_layer_input": 0,
-    "num_kv_shared_layers": 0,
-    "enable_moe_block": false,
-    "sliding_window": 5,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "rope_parameters": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}
-    },
-    "final_logit_softcapping": 30.0,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": true
-}"#;
-
 #[cfg(test)]
 mod tests {
     use mlx_rs::random;
 
-    use super::TINY_GEMMA4_OVERRIDES;
-    use crate::fixtures::{check_family, load_dir, with, write_random_model, TINY_LLAMA};
+    use crate::fixtures::{
+        check_family, load_dir, with, write_random_model, TINY_GEMMA4_OVERRIDES, TINY_LLAMA,
+    };
     use crate::layers::Rope;
 
     #[test]

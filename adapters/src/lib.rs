@@ -1,20 +1,24 @@
 //! dspec's built-in target families, one file per config.json `model_type`, each a
 //! config → [`transformer::DecoderSpec`] mapping over shared layers, self-registered
 //! with `inventory`. To add a family: copy the closest file and adjust.
+//!
+//! Modules depend one way: [`layers`] ← [`attention`] ← [`transformer`] ← [`config`] ←
+//! the family files and [`lora`]; [`weights`] (the safetensors loader) sits under
+//! `config` and `lora`.
 
 pub mod attention;
 pub mod config;
+#[cfg(any(test, feature = "test-fixtures"))]
 pub mod fixtures;
-// Public (unlike the other families) for its tiny test config, which drafter and
-// engine tests build gemma4 targets from.
-pub mod gemma4;
 pub mod layers;
 pub mod lora;
 pub mod transformer;
+pub mod weights;
 
 mod gemma;
 mod gemma2;
 mod gemma3_text;
+mod gemma4;
 mod llama;
 mod mistral;
 mod qwen2;

@@ -6,7 +6,6 @@
 //! and adapted scores come from one copy of the base weights. Fused, the pair is merged
 //! into the weight at load (faster, no way back).
 
-mod delta;
 mod mlx_lm;
 mod peft;
 
@@ -19,13 +18,11 @@ use std::sync::Arc;
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::weights::Weights;
 use dspec_plugin_api::{LoadOptions, LoadRequest, LoraUpdate, TargetModel, WeightSource};
 
-use crate::config::{DecoderFamily, ProgressWeights};
+use crate::config::DecoderFamily;
 use crate::transformer::Decoder;
-
-pub(crate) use delta::{merged_weight, LoraDelta};
+use crate::weights::{ProgressWeights, Weights};
 
 /// Which tool wrote the adapter files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -428,8 +428,8 @@ mod tests {
     #[test]
     fn whole_buffer_continuations_equal_causal_ones() {
         use super::Decoder;
+        use crate::fixtures::RandomWeights;
         use crate::llama::llama_spec;
-        use dspec_plugin_api::weights::RandomWeights;
 
         let config: serde_json::Value = serde_json::from_str(TINY_LLAMA).expect("config");
         let dir = std::path::Path::new(".");

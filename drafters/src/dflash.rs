@@ -19,12 +19,13 @@ use dspec_adapters::config::{parse_config, CommonConfig};
 use dspec_adapters::layers::{Linear, NormWeight, RmsNorm};
 use dspec_adapters::transformer::DecoderLayer;
 
+use dspec_adapters::weights::Weights;
+
 use crate::context::ContextLayers;
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::weights::RandomWeights;
 use dspec_plugin_api::{
     inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, LoadOptions, ModelInfo,
-    TargetModel, TokenPicker, WeightSource, Weights,
+    TargetModel, TokenPicker, WeightSource,
 };
 
 /// What a DFlash checkpoint's config.json lists under `architectures`.
@@ -33,6 +34,7 @@ pub const ARCHITECTURE: &str = "DFlashDraftModel";
 /// A tiny DFlash drafter in the real schema, shaped for the tiny targets of
 /// `dspec_engine::tiny_model` (vocabulary 259, hidden 32, 2 decoder layers). Tests
 /// override fields of it the way adapter fixtures do.
+#[cfg(any(test, feature = "test-fixtures"))]
 pub const TINY_DFLASH: &str = r#"{
     "architectures": ["DFlashDraftModel"],
     "model_type": "qwen3",
@@ -498,11 +500,13 @@ inventory::submit! {
 
 /// Writes a DFlash checkpoint with random weights: `config_json` as config.json and
 /// every tensor the loader asks for (same names and shapes) as model.safetensors.
+#[cfg(any(test, feature = "test-fixtures"))]
 pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> {
     write_random_checkpoint_with_prefix(dir, config_json, seed, "")
 }
 
 /// [`write_random_checkpoint`] with every tensor name under `prefix` (e.g. `"model."`).
+#[cfg(any(test, feature = "test-fixtures"))]
 pub fn write_random_checkpoint_with_prefix(
     dir: &Path,
     config_json: &str,
@@ -517,7 +521,7 @@ pub fn write_random_checkpoint_with_prefix(
     let config: serde_json::Value = serde_json::from_str(config_json)
         .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
     let parsed = DFlashConfig::from_json(&config, dir)?;
-    let mut weights = RandomWeights::new(seed)?;
+    let mut weights = dspec_adapters::fixtures::RandomWeights::new(seed)?;
     DraftNet::load(&mut weights, &parsed, prefix, dir, None)?;
     weights.save(dir, None)?;
     std::fs::write(

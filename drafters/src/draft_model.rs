@@ -12,9 +12,9 @@ use dspec_plugin_api::{
     inventory, Draft, DraftAhead, Drafter, DrafterLoadRequest, DrafterRegistration, Picked,
     TargetModel, TokenPicker,
 };
+use dspec_runtime::Backend;
 
 use crate::draft_thread::DraftThread;
-use dspec_plugin_api::backend::Backend;
 
 pub struct DraftModelDrafter {
     /// The model and its cache, on their own thread.
@@ -133,6 +133,9 @@ fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
     let model = (request.load_model)(dir)?;
     // The engine checks that both tokenizers are identical before this is called;
     // differently padded vocabularies are fine (logits are cut to the target's).
+    // Unset, drafting ahead is on for GPU backends, where decoding waits on the host and
+    // the two threads' host work overlaps; off on the CPU, whose cores the target's
+    // arithmetic already uses.
     let ahead = request
         .options
         .draft_ahead

@@ -1,9 +1,9 @@
 //! A draft model on a thread of its own, drafting ahead while the target verifies.
 //!
 //! On a GPU, decoding models of this size is bound by host time: building graphs and
-//! queueing them in MLX (about 3 ms a token for Qwen2.5-Coder 1.5B on an H100, with the
-//! GPU mostly idle; README, "NVIDIA GPUs"). On the engine's thread a draft model's steps
-//! and the target's verify add up. Here they overlap: MLX (0.31.2 on) evaluates
+//! queueing them in MLX while the GPU mostly waits (docs/benchmarks.md, "Where the time
+//! goes on CUDA"). On the engine's thread a draft model's steps and the target's verify
+//! add up. Here they overlap: MLX (0.31.2 on) evaluates
 //! independent graphs from several threads, each thread on its own default stream.
 //!
 //! While the target verifies a round, this thread keeps drafting as though every draft
@@ -35,19 +35,16 @@ const PREFILL_CHUNK: usize = 512;
 
 /// Most tokens fed one step each rather than in one forward (the target's correction
 /// after a rejected draft, or that plus one). On a GPU a one-token step is the cheap
-/// kind: an H100 trace had rounds that began with a 2-token forward spend 4.5 ms more
-/// on drafting than the 7.4 ms of rounds of four one-token steps.
+/// kind: rounds that began with a 2-token forward spent longer drafting than rounds of
+/// one-token steps only (docs/benchmarks.md, "Drafting ahead").
 const ONE_BY_ONE: usize = 2;
 
-/// Drafting ahead pays only when it often comes true. On an H100 (random weights of the
-/// Qwen2.5-Coder 1.5B/0.5B shapes; per-round times from the median decode tok/s and τ)
-/// rounds took about 8 ms less when every one came true (a 1.5B drafting for itself:
-/// 23.1 against 30.9 ms) and about 3 ms more when none did (a 0.5B whose drafts were
-/// all rejected: 20.2 against 17.0 ms: the step in flight, and the drafted-ahead work
-/// queued on the GPU). That breaks even near 3 rounds in 10 coming true; a round comes
-/// true only when it kept every draft (and the guess was right), so drafting ahead
-/// pauses while fewer than this share of recent rounds kept every draft (a margin
-/// chosen, not measured).
+/// Drafting ahead pays only when it often comes true: a round that comes true saves
+/// more than one that does not loses (the step in flight, and the drafted-ahead work
+/// queued on the GPU), and the two break even at the share of rounds given in
+/// docs/benchmarks.md, "Drafting ahead". A round comes true only when it kept every
+/// draft (and the guess was right), so drafting ahead pauses while fewer than this share
+/// of recent rounds kept every draft: a margin above break-even, chosen, not measured.
 const KEPT_ALL_TO_LOOK_AHEAD: f64 = 0.4;
 
 /// Weight of the newest round in that share (an exponential moving average).

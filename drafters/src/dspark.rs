@@ -18,15 +18,17 @@ use std::path::Path;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{concatenate, sigmoid};
 use mlx_rs::{Array, Dtype};
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 use dspec_adapters::attention::AttentionSpec;
+use dspec_adapters::config::parse_config;
 use dspec_adapters::layers::{softcap, Activation, Embedding, Linear, NormWeight, RmsNorm, Rope};
 use dspec_adapters::transformer::{DecoderLayer, DecoderSpec, NormLayout};
+use dspec_adapters::weights::Weights;
 
 use crate::context::ContextLayers;
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::weights::{RandomWeights, Weights};
 use dspec_plugin_api::{
     inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, LoadOptions, TargetModel,
     TokenPicker, WeightSource,
@@ -38,6 +40,7 @@ const DEFAULT_BITS: i32 = 4;
 
 /// A tiny qwen3-family DSpark checkpoint config fitting the tiny qwen3 target of
 /// `dspec_engine::tiny_model` (vocab 259, hidden 32, 2 layers): taps both target layers.
+#[cfg(any(test, feature = "test-fixtures"))]
 pub const TINY_DSPARK_QWEN3: &str = r#"{
     "model_type": "qwen3",
     "hidden_size": 32,
@@ -61,7 +64,8 @@ pub const TINY_DSPARK_QWEN3: &str = r#"{
 }"#;
 
 /// The gemma4-family counterpart, fitting the tiny gemma4 target
-/// (`dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES` on the tiny model).
+/// (`dspec_adapters::fixtures::TINY_GEMMA4_OVERRIDES` on the tiny model).
+#[cfg(any(test, feature = "test-fixtures"))]
 pub const TINY_DSPARK_GEMMA4: &str = r#"{
     "model_type": "gemma4_text",
     "hidden_size": 32,
@@ -130,191 +134,201 @@ pub struct DSparkConfig {
     pub final_logit_softcapping: Option<f32>,
 }
 
-/// Reads config fields, turning absent or mistyped required ones into the caller's error.
-struct Fields<'a> {
-    config: &'a Value,
-    error: &'a dyn Fn(String) -> ModelError,
-}
+/// A count or size that must be at least 1.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "i64")]
+struct Positive(i32);
 
-impl Fields<'_> {
-    fn missing(&self, key: &str, what: &str) -> ModelError {
-        (self.error)(format!(
-            "DSpark config needs `{key}` ({what}); is this a complete DSpark checkpoint config?"
-        ))
-    }
+impl TryFrom<i64> for Positive {
+    type Error = String;
 
-    fn wrong(&self, key: &str, what: &str) -> ModelError {
-        (self.error)(format!("`{key}` must be {what}, got {}", self.config[key]))
-    }
-
-    fn present(&self, key: &str) -> bool {
-        self.config.get(key).is_some_and(|v| !v.is_null())
-    }
-
-    fn int(&self, key: &str) -> Result<i64> {
-        if !self.present(key) {
-            return Err(self.missing(key, "an integer"));
-        }
-        self.config[key]
-            .as_i64()
-            .ok_or_else(|| self.wrong(key, "an integer"))
-    }
-
-    fn positive(&self, key: &str) -> Result<i32> {
-        let v = self.int(key)?;
+    fn try_from(v: i64) -> std::result::Result<Self, String> {
         i32::try_from(v)
             .ok()
             .filter(|&v| v > 0)
-            .ok_or_else(|| self.wrong(key, "a positive integer"))
-    }
-
-    fn positive_or(&self, key: &str, default: i32) -> Result<i32> {
-        if self.present(key) {
-            self.positive(key)
-        } else {
-            Ok(default)
-        }
-    }
-
-    fn float_or(&self, key: &str, default: f64) -> Result<f64> {
-        if !self.present(key) {
-            return Ok(default);
-        }
-        self.config[key]
-            .as_f64()
-            .ok_or_else(|| self.wrong(key, "a number"))
-    }
-
-    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
-        if !self.present(key) {
-            return Ok(default);
-        }
-        self.config[key]
-            .as_bool()
-            .ok_or_else(|| self.wrong(key, "true or false"))
+            .map(Positive)
+            .ok_or_else(|| format!("must be a positive integer, got {v}"))
     }
 }
 
+/// A rank that may be 0 (no head).
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(try_from = "i64")]
+struct Rank(i32);
+
+impl TryFrom<i64> for Rank {
+    type Error = String;
+
+    fn try_from(v: i64) -> std::result::Result<Self, String> {
+        i32::try_from(v)
+            .ok()
+            .filter(|&v| v >= 0)
+            .map(Rank)
+            .ok_or_else(|| format!("must be 0 or a positive integer, got {v}"))
+    }
+}
+
+/// `Some(None)` for a field written as `null`, against `None` (serde's default) for an
+/// absent one: `final_logit_softcapping: null` turns off a family's default cap.
+fn null_or_value<'de, D, T>(d: D) -> std::result::Result<Option<Option<T>>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// config.json of a DSpark checkpoint as published, HF names verbatim; unknown keys
+/// are ignored. `None` (absent or `null`) takes the published inference path's default,
+/// which [`DSparkConfig::parse`] fills in, per family where the families differ.
+#[derive(Debug, Deserialize)]
+struct DSparkJson {
+    #[serde(default)]
+    model_type: String,
+    hidden_size: Positive,
+    vocab_size: Positive,
+    num_hidden_layers: Positive,
+    intermediate_size: Positive,
+    num_attention_heads: Positive,
+    num_key_value_heads: Option<Positive>,
+    head_dim: Option<Positive>,
+    /// gemma4: head size of the full-attention layers, which the drafter's layers are.
+    global_head_dim: Option<Positive>,
+    /// gemma4 with `attention_k_eq_v`: KV heads of the full-attention layers.
+    num_global_key_value_heads: Option<Positive>,
+    attention_k_eq_v: Option<bool>,
+    rms_norm_eps: Option<f32>,
+    attention_bias: Option<bool>,
+    rope_theta: Option<f32>,
+    rope_parameters: Option<RopeParameters>,
+    block_size: Positive,
+    mask_token_id: u32,
+    target_layer_ids: Vec<usize>,
+    num_target_layers: Option<Positive>,
+    target_hidden_size: Option<Positive>,
+    markov_rank: Option<Rank>,
+    markov_head_type: Option<String>,
+    enable_confidence_head: Option<bool>,
+    confidence_head_with_markov: Option<bool>,
+    #[serde(default, deserialize_with = "null_or_value")]
+    final_logit_softcapping: Option<Option<f32>>,
+}
+
+/// `rope_parameters`: transformers ≥ 5 puts the qwen3 base here; gemma4 one RoPE per
+/// attention kind, of which the drafter's layers use the full-attention one.
+#[derive(Debug, Deserialize)]
+struct RopeParameters {
+    rope_theta: Option<f32>,
+    full_attention: Option<RopeVariant>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RopeVariant {
+    rope_theta: Option<f32>,
+    /// Everything else (`rope_type`, `partial_rotary_factor`, …), for [`Rope::from_config`].
+    #[serde(flatten)]
+    scaling: serde_json::Map<String, Value>,
+}
+
 impl DSparkConfig {
-    /// Parses a DSpark config; `error` builds the error for a missing or bad field.
-    /// Defaults are the ones the published inference path uses.
-    pub fn parse(config: &Value, error: &dyn Fn(String) -> ModelError) -> Result<Self> {
-        let f = Fields { config, error };
-        let model_type = config["model_type"].as_str().unwrap_or_default();
-        let family = if model_type.contains("qwen3") {
+    /// Reads the config.json of the checkpoint in `dir`; an error names the file and the
+    /// field. Defaults are the ones the published inference path uses.
+    pub fn parse(config: &Value, dir: &Path) -> Result<Self> {
+        let json: DSparkJson = parse_config(config, dir)?;
+        let bad = |message: String| ModelError::config(dir.join("config.json"), message);
+        let family = if json.model_type.contains("qwen3") {
             Family::Qwen3
-        } else if model_type.contains("gemma4") {
+        } else if json.model_type.contains("gemma4") {
             Family::Gemma4
         } else {
-            return Err(error(format!(
-                "DSpark `model_type` `{model_type}` names no known drafter family (supported: qwen3, gemma4_text)"
+            return Err(bad(format!(
+                "DSpark `model_type` `{}` names no known drafter family (supported: qwen3, gemma4_text)",
+                json.model_type
             )));
         };
         let gemma = family == Family::Gemma4;
-        let hidden_size = f.positive("hidden_size")?;
-        let num_attention_heads = f.positive("num_attention_heads")?;
-        let local_kv = f.positive_or("num_key_value_heads", 8)?;
-        let k_eq_v = gemma && f.bool_or("attention_k_eq_v", true)?;
+        let or = |field: Option<Positive>, default: i32| field.map_or(default, |p| p.0);
+        let hidden_size = json.hidden_size.0;
+        let num_attention_heads = json.num_attention_heads.0;
+        let local_kv = or(json.num_key_value_heads, 8);
+        let k_eq_v = gemma && json.attention_k_eq_v.unwrap_or(true);
         let (kv_heads, head_dim) = if gemma {
             let kv = if k_eq_v {
-                f.positive_or("num_global_key_value_heads", 1)?
+                or(json.num_global_key_value_heads, 1)
             } else {
                 local_kv
             };
-            (kv, f.positive_or("global_head_dim", 512)?)
+            (kv, or(json.global_head_dim, 512))
         } else {
             (
                 local_kv,
-                f.positive_or("head_dim", hidden_size / num_attention_heads)?,
+                or(json.head_dim, hidden_size / num_attention_heads),
             )
         };
         if num_attention_heads % kv_heads != 0 {
-            return Err(error(format!(
+            return Err(bad(format!(
                 "num_attention_heads ({num_attention_heads}) must be a multiple of the drafter's KV heads ({kv_heads})"
             )));
         }
-        let (rope_theta, rope) = if gemma {
-            let params = match config["rope_parameters"].get("full_attention") {
-                Some(p) if p.is_object() => p.clone(),
-                _ => {
-                    serde_json::json!({"rope_type": "proportional", "partial_rotary_factor": 0.25})
-                }
-            };
-            let theta = params["rope_theta"].as_f64().unwrap_or(1_000_000.0);
-            (theta as f32, params)
-        } else {
+        let (rope_theta, rope) = match (family, json.rope_parameters) {
+            (Family::Gemma4, parameters) => match parameters.and_then(|p| p.full_attention) {
+                Some(full) => (
+                    full.rope_theta.unwrap_or(1_000_000.0),
+                    Value::Object(full.scaling),
+                ),
+                None => (
+                    1_000_000.0,
+                    serde_json::json!({"rope_type": "proportional", "partial_rotary_factor": 0.25}),
+                ),
+            },
             // The qwen3 drafters use plain RoPE, whichever layout carries the base.
-            let theta = config["rope_parameters"]["rope_theta"]
-                .as_f64()
-                .map_or_else(|| f.float_or("rope_theta", 1_000_000.0), Ok)?;
-            (theta as f32, Value::Null)
+            (Family::Qwen3, parameters) => (
+                parameters
+                    .and_then(|p| p.rope_theta)
+                    .or(json.rope_theta)
+                    .unwrap_or(1_000_000.0),
+                Value::Null,
+            ),
         };
-        let ids = config
-            .get("target_layer_ids")
-            .filter(|v| !v.is_null())
-            .ok_or_else(|| f.missing("target_layer_ids", "the target layers it taps"))?;
-        let target_layer_ids = ids
-            .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .map(|v| v.as_u64().map(|id| id as usize))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .filter(|ids| !ids.is_empty())
-            .ok_or_else(|| f.wrong("target_layer_ids", "a non-empty list of layer ids"))?;
-        let markov_type = config["markov_head_type"].as_str().unwrap_or("vanilla");
+        if json.target_layer_ids.is_empty() {
+            return Err(bad(
+                "`target_layer_ids` is empty; it must list the target layers the drafter taps"
+                    .into(),
+            ));
+        }
+        let markov_type = json.markov_head_type.as_deref().unwrap_or("vanilla");
         if markov_type != "vanilla" {
-            return Err(error(format!(
+            return Err(bad(format!(
                 "`markov_head_type` `{markov_type}` is not supported (supported: vanilla)"
             )));
         }
-        let markov_rank = if f.present("markov_rank") {
-            i32::try_from(f.int("markov_rank")?)
-                .ok()
-                .filter(|&r| r >= 0)
-                .ok_or_else(|| f.wrong("markov_rank", "0 or a positive integer"))?
-        } else {
-            256
-        };
-        let num_target_layers = if f.present("num_target_layers") {
-            Some(f.positive("num_target_layers")? as usize)
-        } else {
-            None
-        };
-        let default_cap = if gemma { Some(30.0) } else { None };
-        let final_logit_softcapping = match config.get("final_logit_softcapping") {
-            None => default_cap,
-            Some(Value::Null) => None,
-            Some(v) => Some(
-                v.as_f64()
-                    .ok_or_else(|| f.wrong("final_logit_softcapping", "a number or null"))?
-                    as f32,
-            ),
-        };
         Ok(Self {
             family,
             hidden_size,
-            vocab_size: f.positive("vocab_size")?,
-            num_hidden_layers: f.positive("num_hidden_layers")?,
-            intermediate_size: f.positive("intermediate_size")?,
-            rms_norm_eps: f.float_or("rms_norm_eps", 1e-6)? as f32,
+            vocab_size: json.vocab_size.0,
+            num_hidden_layers: json.num_hidden_layers.0,
+            intermediate_size: json.intermediate_size.0,
+            rms_norm_eps: json.rms_norm_eps.unwrap_or(1e-6),
             num_attention_heads,
             kv_heads,
             head_dim,
             k_eq_v,
-            attention_bias: f.bool_or("attention_bias", false)?,
+            attention_bias: json.attention_bias.unwrap_or(false),
             rope_theta,
             rope,
-            block_size: f.positive("block_size")? as usize,
-            mask_token_id: u32::try_from(f.int("mask_token_id")?)
-                .map_err(|_| f.wrong("mask_token_id", "a token id"))?,
-            target_layer_ids,
-            num_target_layers,
-            target_hidden_size: f.positive_or("target_hidden_size", hidden_size)?,
-            markov_rank,
-            confidence_head: f.bool_or("enable_confidence_head", true)?,
-            confidence_with_markov: f.bool_or("confidence_head_with_markov", true)?,
-            final_logit_softcapping,
+            block_size: json.block_size.0 as usize,
+            mask_token_id: json.mask_token_id,
+            target_layer_ids: json.target_layer_ids,
+            num_target_layers: json.num_target_layers.map(|n| n.0 as usize),
+            target_hidden_size: or(json.target_hidden_size, hidden_size),
+            markov_rank: json.markov_rank.map_or(256, |r| r.0),
+            confidence_head: json.enable_confidence_head.unwrap_or(true),
+            confidence_with_markov: json.confidence_head_with_markov.unwrap_or(true),
+            final_logit_softcapping: json.final_logit_softcapping.unwrap_or(if gemma {
+                Some(30.0)
+            } else {
+                None
+            }),
         })
     }
 
@@ -455,7 +469,7 @@ impl DSparkDrafter {
             request.mismatch("dspark needs a checkpoint directory (pass --drafter DIR)")
         })?;
         let config_path = dir.join("config.json");
-        let cfg = DSparkConfig::parse(request.config, &|m| request.mismatch(m))?;
+        let cfg = DSparkConfig::parse(request.config, dir)?;
         validate_against_target(&cfg, request)?;
         let quantize = request
             .options
@@ -710,16 +724,17 @@ inventory::submit! {
 /// Writes a random DSpark checkpoint (config.json + model.safetensors, the real schema
 /// and tensor names) for tests. The tensors are the ones the loader asks for, so the
 /// fixture and the loader cannot drift apart.
+#[cfg(any(test, feature = "test-fixtures"))]
 pub fn write_random_checkpoint(dir: &Path, config_json: &str, seed: u64) -> Result<()> {
     let path = dir.join("config.json");
     let config: Value = serde_json::from_str(config_json)
         .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
-    let cfg = DSparkConfig::parse(&config, &|m| ModelError::config(&path, m))?;
+    let cfg = DSparkConfig::parse(&config, dir)?;
     std::fs::create_dir_all(dir).map_err(|source| ModelError::Io {
         path: dir.to_path_buf(),
         source,
     })?;
-    let mut weights = RandomWeights::new(seed)?;
+    let mut weights = dspec_adapters::fixtures::RandomWeights::new(seed)?;
     DSparkModel::load(&cfg, &mut weights, &path, None)?;
     weights.save(dir, None)?;
     let text = serde_json::to_string_pretty(&config)
@@ -746,25 +761,114 @@ mod tests {
         assert!(!is_dspark_config(&model));
     }
 
+    fn parse(config: &Value) -> Result<DSparkConfig> {
+        DSparkConfig::parse(config, Path::new("/drafter"))
+    }
+
+    fn tiny(json: &str) -> Value {
+        serde_json::from_str(json).unwrap()
+    }
+
     #[test]
     fn parse_reads_both_families_and_applies_family_defaults() {
-        let err = |m: String| ModelError::Unsupported(m);
-        let q =
-            DSparkConfig::parse(&serde_json::from_str(TINY_DSPARK_QWEN3).unwrap(), &err).unwrap();
+        let q = parse(&tiny(TINY_DSPARK_QWEN3)).unwrap();
         assert_eq!(q.family, Family::Qwen3);
         assert_eq!((q.kv_heads, q.head_dim, q.k_eq_v), (2, 16, false));
         assert_eq!(q.final_logit_softcapping, None);
-        let g =
-            DSparkConfig::parse(&serde_json::from_str(TINY_DSPARK_GEMMA4).unwrap(), &err).unwrap();
+        assert_eq!(q.rope_theta, 1_000_000.0);
+        let g = parse(&tiny(TINY_DSPARK_GEMMA4)).unwrap();
         assert_eq!(g.family, Family::Gemma4);
         assert_eq!((g.kv_heads, g.head_dim, g.k_eq_v), (1, 32, true));
         assert_eq!(g.final_logit_softcapping, Some(30.0));
         assert_eq!(g.rope["rope_type"], "proportional");
+        assert_eq!(g.rope["partial_rotary_factor"], 0.25);
+        assert_eq!(g.rope_theta, 1_000_000.0);
 
-        let mut missing: Value = serde_json::from_str(TINY_DSPARK_QWEN3).unwrap();
-        missing.as_object_mut().unwrap().remove("block_size");
-        let e = DSparkConfig::parse(&missing, &err).unwrap_err().to_string();
-        assert!(e.contains("`block_size`"), "{e}");
+        // Absent optional fields take the published defaults; `null` counts as absent,
+        // except for the softcap, where it turns the family's cap off.
+        let mut sparse = tiny(TINY_DSPARK_GEMMA4);
+        let fields = sparse.as_object_mut().unwrap();
+        for key in [
+            "global_head_dim",
+            "markov_rank",
+            "rope_parameters",
+            "enable_confidence_head",
+        ] {
+            fields.remove(key);
+        }
+        fields.insert("num_global_key_value_heads".into(), Value::Null);
+        fields.insert("final_logit_softcapping".into(), Value::Null);
+        let d = parse(&sparse).unwrap();
+        assert_eq!((d.kv_heads, d.head_dim, d.markov_rank), (1, 512, 256));
+        assert!(d.confidence_head);
+        assert_eq!(d.final_logit_softcapping, None);
+        assert_eq!(d.rope["rope_type"], "proportional");
+        assert_eq!(d.rope_theta, 1_000_000.0);
+
+        // transformers ≥ 5 moves the qwen3 base into `rope_parameters`.
+        let mut v5 = tiny(TINY_DSPARK_QWEN3);
+        v5["rope_parameters"] = serde_json::json!({"rope_theta": 5000.0});
+        assert_eq!(parse(&v5).unwrap().rope_theta, 5000.0);
+    }
+
+    #[test]
+    fn a_missing_or_malformed_field_is_an_error_naming_the_file_and_the_field() {
+        let cases: [(&str, Option<Value>, &[&str]); 7] = [
+            ("block_size", None, &["missing field `block_size`"]),
+            ("block_size", Some(Value::Null), &["`block_size`"]),
+            (
+                "block_size",
+                Some("four".into()),
+                &["`block_size`", "\"four\""],
+            ),
+            (
+                "hidden_size",
+                Some(0.into()),
+                &["`hidden_size`", "positive", "got 0"],
+            ),
+            (
+                "markov_rank",
+                Some((-1).into()),
+                &["`markov_rank`", "got -1"],
+            ),
+            (
+                "mask_token_id",
+                Some((-5).into()),
+                &["`mask_token_id`", "-5"],
+            ),
+            (
+                "rope_parameters",
+                Some(serde_json::json!({"full_attention": {"rope_theta": "big"}})),
+                &["`rope_parameters.full_attention", "\"big\""],
+            ),
+        ];
+        for (key, value, needles) in cases {
+            let mut config = tiny(TINY_DSPARK_GEMMA4);
+            let fields = config.as_object_mut().unwrap();
+            match value {
+                Some(v) => fields.insert(key.into(), v),
+                None => fields.remove(key),
+            };
+            let e = parse(&config).unwrap_err().to_string();
+            assert!(
+                e.contains("/drafter/config.json"),
+                "{key}: names the file: {e}"
+            );
+            for needle in needles {
+                assert!(e.contains(needle), "{key}: `{needle}` missing in: {e}");
+            }
+        }
+        let mut empty = tiny(TINY_DSPARK_QWEN3);
+        empty["target_layer_ids"] = serde_json::json!([]);
+        let e = parse(&empty).unwrap_err().to_string();
+        assert!(e.contains("`target_layer_ids` is empty"), "{e}");
+        let mut other = tiny(TINY_DSPARK_QWEN3);
+        other["markov_head_type"] = "gated".into();
+        let e = parse(&other).unwrap_err().to_string();
+        assert!(e.contains("`markov_head_type` `gated`"), "{e}");
+        other["model_type"] = "llama".into();
+        let e = parse(&other).unwrap_err().to_string();
+        assert!(e.contains("`llama` names no known drafter family"), "{e}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::ffi::CStr;
 
-pub use dspec_plugin_api::backend::Backend;
+pub use dspec_runtime::Backend;
 
 /// MLX's version string as reported by the loaded libmlx.
 pub fn mlx_version() -> String {

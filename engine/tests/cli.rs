@@ -269,7 +269,7 @@ fn every_family_generates_end_to_end() {
         r#"{"model_type": "gemma", "head_dim": 16}"#,
         r#"{"model_type": "gemma2", "head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}"#,
         r#"{"model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}"#,
-        dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES,
+        dspec_adapters::fixtures::TINY_GEMMA4_OVERRIDES,
     ] {
         let model = tiny_model(overrides);
         let json = generate_json(model.path(), &["--max-tokens", "4", "--quantize", "8"]);
@@ -835,7 +835,7 @@ fn dflash_checkpoint_drafts_through_the_cli_and_mismatches_are_errors() {
 
 #[test]
 fn dspark_checkpoint_drafts_through_the_cli_with_its_options() {
-    let model = tiny_model(dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES);
+    let model = tiny_model(dspec_adapters::fixtures::TINY_GEMMA4_OVERRIDES);
     let m = path_str(model.path());
     let drafter = tempfile::tempdir().expect("temp dir");
     dspec_drafters::dspark::write_random_checkpoint(

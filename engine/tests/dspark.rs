@@ -13,7 +13,7 @@ use std::path::Path;
 
 use mlx_rs::Array;
 
-use dspec_adapters::gemma4::TINY_GEMMA4_OVERRIDES;
+use dspec_adapters::fixtures::TINY_GEMMA4_OVERRIDES;
 use dspec_drafters::dspark::{write_random_checkpoint, TINY_DSPARK_GEMMA4, TINY_DSPARK_QWEN3};
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::loading::LoadedModel;

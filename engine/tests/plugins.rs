@@ -9,6 +9,7 @@ use std::sync::OnceLock;
 
 use serde_json::json;
 
+use dspec_adapters::fixtures::RandomWeights;
 use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
@@ -19,7 +20,6 @@ use dspec_engine::tiny_model::{write_tiny_model, SPECIAL_TOKENS};
 use dspec_plugin_api::conformance::check_target_model;
 use dspec_plugin_api::plugin::abi::ABI_VERSION;
 use dspec_plugin_api::plugin::load_plugin;
-use dspec_plugin_api::weights::RandomWeights;
 use dspec_plugin_api::{
     AdapterRegistry, AdapterSource, DrafterOptions, LoadOptions, Quantization, WeightSource,
 };

@@ -7,8 +7,8 @@
 
 use std::path::Path;
 
+use dspec_adapters::fixtures::RandomWeights;
 use dspec_engine::tiny_model::{write_tiny_model, SPECIAL_TOKENS};
-use dspec_plugin_api::weights::RandomWeights;
 use dspec_plugin_api::WeightSource;
 
 fn main() -> anyhow::Result<()> {

@@ -7,12 +7,13 @@ use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::error::Result;
-use crate::slicing::{slice_axis, write_axis};
+use dspec_runtime::slicing::{slice_axis, write_axis};
 
 /// Buffers are allocated in multiples of this many positions. Deliberately not 256:
 /// MLX's CUDA backend sends one-token attention over a buffer whose length is a multiple
 /// of 256 to cuDNN, with a plan built per buffer length; with 255 one-token attention
-/// always takes MLX's own vector kernel.
+/// always takes MLX's own vector kernel (why plans per shape matter:
+/// docs/benchmarks.md, "Where the time goes on CUDA").
 const GROWTH_STEP: i32 = 255;
 
 /// Keys and values of one attention layer, shaped `[B, kv_heads, capacity, head_dim]`.

@@ -70,7 +70,7 @@ fn run(
 }
 
 /// A deterministic token sequence that uses ids across the vocabulary.
-pub fn probe_tokens(vocab: usize, len: usize) -> Vec<u32> {
+fn probe_tokens(vocab: usize, len: usize) -> Vec<u32> {
     (0..len)
         .map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32)
         .collect()

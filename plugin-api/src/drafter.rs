@@ -129,16 +129,16 @@ pub struct DrafterOptions {
     /// Activation dtype; the engine passes the target's.
     pub dtype: Option<Dtype>,
     /// `--draft-ahead`: whether a draft model keeps drafting on its own thread while
-    /// the target verifies. `None`: [`DraftAhead::On`] for GPU backends, where decoding
-    /// waits on the host and the two threads' host work overlaps; off on the CPU, whose
-    /// cores the target's arithmetic already uses.
+    /// the target verifies. `None`: the drafter's own default for the backend it runs on.
     pub draft_ahead: Option<DraftAhead>,
     /// `--max-tokens`: how many tokens a generation may add after its prompt, so a
     /// drafter that keeps a cache can size it once (see `KvCache::reserve`).
     pub max_new_tokens: Option<usize>,
 }
 
-/// How far a draft model runs ahead of the target (`--draft-ahead`).
+/// How far a draft model runs ahead of the target (`--draft-ahead`). Part of the
+/// contract because it travels in [`DrafterOptions`], the request every drafter kind is
+/// loaded with; how a kind honours it (and its default) is the kind's own business.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DraftAhead {
     /// Draft only when a round asks.

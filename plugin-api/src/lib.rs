@@ -1,18 +1,20 @@
-//! The stable contract between dspec's engine and model families: the `TargetModel`
-//! trait, the KV cache, weight loading by HF tensor name, and the adapter registry.
+//! The contract between dspec's engine and what plugs into it: the `TargetModel` trait
+//! a model family implements, the KV cache it writes, the `WeightSource` it loads its
+//! tensors through, the `Drafter` trait, the registries both kinds join, the C ABI of
+//! dylib plugins, and the conformance checker every `TargetModel` must pass.
 //!
 //! Built-in families (crate `dspec-adapters`) and external plugins implement these;
 //! the engine only ever talks to a `Box<dyn TargetModel>`. External plugins cross a
-//! C ABI ([`plugin`]) and are wrapped back into the same trait.
+//! C ABI ([`plugin`]) and are wrapped back into the same trait. Implementations of the
+//! contract (the safetensors loader, backend detection, test fixtures) live in the
+//! crates that use them, so that changing one never changes what plugins build against.
 
-pub mod backend;
 pub mod cache;
 pub mod conformance;
 pub mod drafter;
 pub mod error;
 pub mod plugin;
 pub mod registry;
-pub mod slicing;
 pub mod target;
 pub mod weights;
 
@@ -24,7 +26,7 @@ pub use drafter::{
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
 pub use target::{ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel};
-pub use weights::{LoraUpdate, WeightSource, Weights};
+pub use weights::{LoraUpdate, WeightSource};
 
 /// Re-exported so adapter crates and plugins submit registrations with the same
 /// `inventory` instance the engine collects from.

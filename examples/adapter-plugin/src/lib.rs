@@ -17,9 +17,9 @@ use serde::Deserialize;
 use dspec_adapters::attention::{attention_mask, Mask};
 use dspec_adapters::config::{parse_config, CommonConfig};
 use dspec_adapters::layers::{Embedding, Linear, NormWeight, RmsNorm, Rope};
+use dspec_adapters::weights::Weights;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::target::{check_forward_args, TapCollector};
-use dspec_plugin_api::weights::Weights;
 use dspec_plugin_api::{
     ForwardOutput, KvCache, LoadRequest, ModelCache, ModelInfo, TargetModel, WeightSource,
 };
@@ -289,8 +289,8 @@ dspec_plugin_api::export_plugin! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dspec_adapters::fixtures::RandomWeights;
     use dspec_plugin_api::conformance::check_target_model;
-    use dspec_plugin_api::weights::RandomWeights;
 
     /// Test a family in-process first (faster to debug), then across the ABI (engine's
     /// `tests/plugins.rs` does that with the built library).

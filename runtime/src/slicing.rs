@@ -8,10 +8,8 @@
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Stream};
 
-use crate::error::{ModelError, Result};
-
 /// Runs one mlx-c op that writes its result into `res`.
-fn op(what: &str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array> {
+fn op(what: &str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array, Exception> {
     // SAFETY: a fresh empty mlx_array handle is what mlx-c ops expect as output; on
     // success it holds the result and is owned by the returned Array, on failure it is
     // freed here.
@@ -19,9 +17,9 @@ fn op(what: &str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Arra
         let mut res = mlx_sys::mlx_array_new();
         if f(&mut res) != 0 {
             mlx_sys::mlx_array_free(res);
-            return Err(ModelError::Mlx(Exception::custom(format!(
+            return Err(Exception::custom(format!(
                 "{what} failed (arguments out of range)"
-            ))));
+            )));
         }
         Ok(Array::from_ptr(res))
     }
@@ -37,7 +35,7 @@ fn bounds(shape: &[i32], axis: usize, start: i32, end: i32) -> (Vec<i32>, Vec<i3
 }
 
 /// `x[.., start..end, ..]` on `axis` (a view).
-pub fn slice_axis(x: &Array, axis: usize, start: i32, end: i32) -> Result<Array> {
+pub fn slice_axis(x: &Array, axis: usize, start: i32, end: i32) -> Result<Array, Exception> {
     let (starts, stops, strides) = bounds(x.shape(), axis, start, end);
     let stream = Stream::thread_local_or_default();
     op("slice", |res| unsafe {
@@ -57,7 +55,12 @@ pub fn slice_axis(x: &Array, axis: usize, start: i32, end: i32) -> Result<Array>
 
 /// `dst` with `update` written at `start..start + len` on `axis` (in place when MLX
 /// holds the only reference to `dst`).
-pub fn write_axis(dst: &Array, update: &Array, axis: usize, start: i32) -> Result<Array> {
+pub fn write_axis(
+    dst: &Array,
+    update: &Array,
+    axis: usize,
+    start: i32,
+) -> Result<Array, Exception> {
     let len = update.shape()[axis];
     let (starts, stops, strides) = bounds(dst.shape(), axis, start, start + len);
     let stream = Stream::thread_local_or_default();
