@@ -10,7 +10,7 @@ use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select, softmax_axi
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::Result;
-use dspec_plugin_api::{KvCache, WeightSource};
+use dspec_plugin_api::{KvCache, ModelCache, WeightSource};
 use dspec_runtime::slicing::slice_axis;
 use dspec_runtime::Backend;
 
@@ -102,18 +102,12 @@ impl WholeBufferBias {
     }
 }
 
-/// Longest continuation of a cached sequence that attends over the whole cache buffer.
+/// Longest continuation of a cached sequence that attends over the whole cache buffer;
+/// shorter ones run padded to it, so that a backend that builds a plan per query length
+/// (cuDNN on CUDA) builds one per capacity, not one per verify width and catch-up
+/// length. On CUDA a short forward's cost barely depends on its width, while each new
+/// plan costs as much as dozens of decode steps (docs/benchmarks.md).
 pub const WHOLE_BUFFER_MAX_TOKENS: i32 = 32;
-
-/// The width a short continuation of `len` positions runs at when it attends over the
-/// whole buffer: padded up to the longest, so that a backend that builds a plan per
-/// query length (cuDNN on CUDA) builds one per capacity, not one per verify width and
-/// catch-up length. On CUDA a short forward's cost barely depends on its width
-/// (docs/benchmarks.md, verify cost per width), while each new plan costs about as much
-/// as dozens of decode steps.
-pub fn padded_continuation(len: i32) -> i32 {
-    len.max(WHOLE_BUFFER_MAX_TOKENS)
-}
 
 /// Whether attention over the whole cache buffer pays on this backend, for a short
 /// continuation of a cached sequence (a speculative verify, typically: see
@@ -129,6 +123,16 @@ pub fn padded_continuation(len: i32) -> i32 {
 /// part of the buffer would only be read for nothing.
 pub fn whole_buffer_pays() -> bool {
     Backend::current() == Backend::Cuda
+}
+
+/// Sizes `cache` once for a generation that may reach `positions` positions, where
+/// buffer lengths cost ([`whole_buffer_pays`]): each one means new attention plans for
+/// the continuations over the whole buffer. The slack covers the last continuation's
+/// padding and a draft model drafting ahead of what was asked.
+pub fn reserve_for_generation(cache: &mut ModelCache, positions: usize) {
+    if whole_buffer_pays() {
+        cache.reserve(positions + 2 * WHOLE_BUFFER_MAX_TOKENS as usize);
+    }
 }
 
 /// A forward of `len` positions after `offset` cached ones that may attend over the

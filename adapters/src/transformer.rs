@@ -12,8 +12,8 @@ use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
 use crate::attention::{
-    attention_mask, is_short_continuation, padded_continuation, whole_buffer_mask,
-    whole_buffer_pays, Attention, AttentionSpec, Mask,
+    attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention,
+    AttentionSpec, Mask, WHOLE_BUFFER_MAX_TOKENS,
 };
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
 
@@ -246,30 +246,27 @@ impl TargetModel for Decoder {
         check_forward_args(tokens, cache, taps, self.layers.len())?;
         let offset = cache.offset() as i32;
         let asked = tokens.shape()[1];
-        // A continuation over the whole buffer runs padded to a fixed width (repeats of
-        // its last token, after the real ones so they change nothing before them); the
-        // padding's outputs are cut and its cache positions trimmed below.
-        let padded = (self.whole_buffer
-            && !(self.rowwise_verify && asked <= MAX_ROWWISE_TOKENS)
-            && is_short_continuation(offset, asked))
-        .then(|| padded_continuation(asked))
-        .filter(|&width| width > asked);
-        let tokens = match padded {
-            Some(width) => {
-                let last = tokens.try_index((.., asked - 1..))?;
-                concatenate(
-                    &[tokens.clone(), broadcast_to(&last, &[1, width - asked])?],
-                    1,
-                )?
-            }
-            None => tokens.clone(),
-        };
-        let tokens = &tokens;
-        let len = tokens.shape()[1];
-        let hidden_size = self.info.hidden_size as i32;
         // A short continuation of a cached sequence (a speculative verify) runs in the
         // row layout, each position through the one-token kernels: see `is_row_layout`.
-        let rows = self.rowwise_verify && offset > 0 && len > 1 && len <= MAX_ROWWISE_TOKENS;
+        let rows = self.rowwise_verify && offset > 0 && asked > 1 && asked <= MAX_ROWWISE_TOKENS;
+        // Or over the whole cache buffer, padded to the longest such continuation
+        // (repeats of its last token, after the real ones so they change nothing before
+        // them): see `whole_buffer_pays`. The padding's outputs are cut and its cache
+        // positions trimmed below.
+        let over_whole_buffer = !rows && self.whole_buffer && is_short_continuation(offset, asked);
+        let pad = if over_whole_buffer {
+            WHOLE_BUFFER_MAX_TOKENS - asked
+        } else {
+            0
+        };
+        let tokens = if pad > 0 {
+            let last = tokens.try_index((.., asked - 1..))?;
+            concatenate(&[tokens.clone(), broadcast_to(&last, &[1, pad])?], 1)?
+        } else {
+            tokens.clone()
+        };
+        let len = asked + pad;
+        let hidden_size = self.info.hidden_size as i32;
         let as_sequence = |x: &Array| -> Result<Array> {
             if rows {
                 Ok(x.reshape(&[1, len, x.shape()[2]])?)
@@ -277,11 +274,11 @@ impl TargetModel for Decoder {
                 Ok(x.clone())
             }
         };
-        let mut h = self.embed(tokens)?;
+        let mut h = self.embed(&tokens)?;
         // Every layer's cache grows in lockstep, so the first one tells the capacity the
         // whole-buffer masks span once this forward has written its keys.
         let whole_buffer = match cache.layers.first() {
-            Some(first) if !rows && self.whole_buffer && is_short_continuation(offset, len) => {
+            Some(first) if over_whole_buffer => {
                 Some(first.capacity_for((offset + len) as usize) as i32)
             }
             _ => None,
@@ -316,10 +313,10 @@ impl TargetModel for Decoder {
         }
         let mut logits = as_sequence(&self.lm_head(&self.final_norm(&h)?)?)?;
         let mut hidden = tapped.finish()?;
-        if let Some(width) = padded {
+        if pad > 0 {
             logits = logits.try_index((.., ..asked, ..))?;
             hidden = hidden.map(|h| h.try_index((.., ..asked, ..))).transpose()?;
-            cache.trim((width - asked) as usize);
+            cache.trim(pad as usize);
         }
         Ok(ForwardOutput { logits, hidden })
     }

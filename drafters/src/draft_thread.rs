@@ -26,7 +26,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::{Array, Dtype};
 
-use dspec_adapters::attention::{whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS};
+use dspec_adapters::attention::{reserve_for_generation, WHOLE_BUFFER_MAX_TOKENS};
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{DraftAhead, ModelCache, TargetModel};
 
@@ -385,11 +385,8 @@ impl Chain {
         self.committed = None;
         self.last_drafts.clear();
         self.cache = self.model.new_cache();
-        if let Some(room) = self.max_new_tokens.filter(|_| whole_buffer_pays()) {
-            // One buffer length for the whole generation (drafting ahead and a padded
-            // continuation included): on CUDA each length means new attention plans.
-            self.cache
-                .reserve(prompt.len() + room + 2 * WHOLE_BUFFER_MAX_TOKENS as usize);
+        if let Some(room) = self.max_new_tokens {
+            reserve_for_generation(&mut self.cache, prompt.len() + room);
         }
         self.lazy.clear();
         for chunk in prompt.chunks(PREFILL_CHUNK) {
@@ -446,30 +443,25 @@ impl Chain {
         let keep = common_prefix(&self.host, want)
             .min(self.fed)
             .min(want.len() - 1);
-        let piece = WHOLE_BUFFER_MAX_TOKENS as usize;
         self.cache.trim(self.fed - keep);
         self.fed = keep;
         self.host = want.to_vec();
         self.own_from = want.len();
         let rest = &want[keep..];
-        let logits = if rest.len() <= ONE_BY_ONE {
-            let mut logits = None;
-            for &token in rest {
-                logits = Some(self.step(&Array::from_slice(&[token], &[1, 1]))?);
-            }
-            logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?
-        } else {
-            // In pieces no longer than a continuation that attends over the whole cache
-            // buffer, where the model pads each to a fixed width: on CUDA a forward of
-            // any other shape after the cache builds a cuDNN graph for it, and catching
-            // up after a run of plain steps comes in every length. Only the last
-            // piece's logits are used.
-            let mut logits = None;
-            for piece in rest.chunks(piece) {
-                logits = Some(self.step(&Array::from_slice(piece, &[1, piece.len() as i32]))?);
-            }
-            logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?
+        // A short remainder goes one token a step (the cheap kind on a GPU); a longer
+        // one in pieces no longer than a continuation over the whole cache buffer, which
+        // the model pads to one width: on CUDA a forward of any other shape after the
+        // cache builds a cuDNN graph for it, and catching up after a run of plain steps
+        // comes in every length. Only the last piece's logits are used.
+        let piece = match rest.len() {
+            0..=ONE_BY_ONE => 1,
+            _ => WHOLE_BUFFER_MAX_TOKENS as usize,
         };
+        let mut logits = None;
+        for piece in rest.chunks(piece) {
+            logits = Some(self.step(&Array::from_slice(piece, &[1, piece.len() as i32]))?);
+        }
+        let logits = logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?;
         self.fed = want.len();
         self.push_argmax(&logits)?;
         Ok(logits)

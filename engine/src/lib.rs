@@ -19,14 +19,3 @@ pub mod text;
 pub mod tiny_model;
 
 pub use error::EngineError;
-
-// The flat paths from before the layout by concern, for code this change leaves alone:
-// the `examples` crate (`generate`, `sampling`) and tests/real_models.rs (`gguf`,
-// `tokenizer`). Hidden from the docs; new code uses the paths above, and these go once
-// those files use them too.
-#[doc(hidden)]
-pub use decoding::{generate, sampling};
-#[doc(hidden)]
-pub use formats::gguf;
-#[doc(hidden)]
-pub use text::tokenizer;

@@ -8,8 +8,8 @@ use std::sync::OnceLock;
 
 use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
 
-use dspec_engine::gguf::GgufFile;
-use dspec_engine::tokenizer::TextTokenizer;
+use dspec_engine::formats::gguf::GgufFile;
+use dspec_engine::text::tokenizer::TextTokenizer;
 
 mod common;
 use common::{dspec_json, fetch_real_model};

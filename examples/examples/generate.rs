@@ -3,10 +3,10 @@
 
 use std::io::Write;
 
-use dspec_engine::generate::{generate, GenerationConfig};
+use dspec_engine::decoding::generate::{generate, GenerationConfig};
+use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::{builtin_registry, load_model};
 use dspec_engine::runtime::Backend;
-use dspec_engine::sampling::SamplingParams;
 use dspec_plugin_api::LoadOptions;
 
 fn main() -> anyhow::Result<()> {

@@ -19,7 +19,7 @@ use mlx_rs::transforms::async_eval;
 use mlx_rs::Array;
 use serde::Serialize;
 
-use dspec_adapters::attention::{whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS};
+use dspec_adapters::attention::reserve_for_generation;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
@@ -430,14 +430,10 @@ pub fn generate_speculative(
         context_left: context_limit - prompt.len(),
     };
     let mut cache = model.new_cache();
-    if whole_buffer_pays() {
-        // One buffer length for the whole generation (padded verifies included): on
-        // CUDA every buffer length means new attention plans for the verify.
-        cache.reserve(
-            (prompt.len() + config.max_tokens).min(context_limit)
-                + 2 * WHOLE_BUFFER_MAX_TOKENS as usize,
-        );
-    }
+    reserve_for_generation(
+        &mut cache,
+        (prompt.len() + config.max_tokens).min(context_limit),
+    );
 
     let start = Instant::now();
     // The drafter reads the prompt too (a draft model prefills its own cache): that is

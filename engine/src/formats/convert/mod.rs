@@ -6,7 +6,6 @@ mod config;
 mod tensors;
 mod tokenizer;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use mlx_rs::{Array, Dtype};
@@ -112,13 +111,14 @@ pub fn convert_gguf(
 
     let mut shard: Vec<(String, Array)> = Vec::new();
     let mut shard_bytes = 0usize;
-    let mut weight_map: HashMap<String, String> = HashMap::new();
+    // Each tensor's shard, by index: shards get their names once their count is known.
+    let mut weight_map: Vec<(String, usize)> = Vec::new();
     let mut shard_files: Vec<PathBuf> = Vec::new();
     let total = g.tensors().len();
     let mut converted = 0;
     let flush = |shard: &mut Vec<(String, Array)>,
                  files: &mut Vec<PathBuf>,
-                 map: &mut HashMap<String, String>|
+                 map: &mut Vec<(String, usize)>|
      -> Result<(), ConvertError> {
         if shard.is_empty() {
             return Ok(());
@@ -126,14 +126,7 @@ pub fn convert_gguf(
         let path = out_dir.join(format!("shard-{:05}.safetensors", files.len() + 1));
         Array::save_safetensors(shard.iter().map(|(n, a)| (n.as_str(), a)), None, &path)
             .map_err(|e| ConvertError::Mlx(format!("writing {}: {e}", path.display())))?;
-        for (name, _) in shard.iter() {
-            map.insert(
-                name.clone(),
-                path.file_name()
-                    .map(|f| f.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-            );
-        }
+        map.extend(shard.iter().map(|(name, _)| (name.clone(), files.len())));
         files.push(path);
         shard.clear();
         Ok(())
@@ -192,40 +185,25 @@ pub fn convert_gguf(
     flush(&mut shard, &mut shard_files, &mut weight_map)?;
     progress(total, total);
 
-    // One shard is written as model.safetensors; several get an index.
-    if shard_files.len() == 1 {
-        let single = out_dir.join("model.safetensors");
-        std::fs::rename(&shard_files[0], &single).map_err(|source| ConvertError::Io {
-            path: single,
-            source,
-        })?;
-    } else {
-        // Hugging Face's shard names (`model-00001-of-00003.safetensors`), known only once
-        // the last shard is written: mlx-lm and transformers find the weights by them.
-        let count = shard_files.len();
-        let mut renamed: HashMap<String, String> = HashMap::new();
-        for (i, written) in shard_files.iter_mut().enumerate() {
-            let name = format!("model-{:05}-of-{count:05}.safetensors", i + 1);
-            let final_path = out_dir.join(&name);
-            std::fs::rename(&*written, &final_path).map_err(|source| ConvertError::Io {
-                path: final_path.clone(),
-                source,
-            })?;
-            if let Some(old) = written.file_name() {
-                renamed.insert(old.to_string_lossy().into_owned(), name);
-            }
-            *written = final_path;
-        }
-        for file in weight_map.values_mut() {
-            if let Some(name) = renamed.get(file.as_str()) {
-                file.clone_from(name);
-            }
-        }
-        let total_size: u64 = shard_files
-            .iter()
-            .filter_map(|p| std::fs::metadata(p).ok())
-            .map(|m| m.len())
-            .sum();
+    // One shard is model.safetensors; several get Hugging Face's names
+    // (model-00001-of-00003.safetensors), which mlx-lm and transformers find them by, and
+    // an index.
+    let count = shard_files.len();
+    let final_name = |i: usize| match count {
+        1 => "model.safetensors".to_string(),
+        _ => format!("model-{:05}-of-{count:05}.safetensors", i + 1),
+    };
+    let mut total_size = 0u64;
+    for (i, written) in shard_files.iter().enumerate() {
+        total_size += std::fs::metadata(written).map_or(0, |m| m.len());
+        let path = out_dir.join(final_name(i));
+        std::fs::rename(written, &path).map_err(|source| ConvertError::Io { path, source })?;
+    }
+    if count > 1 {
+        let weight_map: serde_json::Map<String, serde_json::Value> = weight_map
+            .into_iter()
+            .map(|(name, shard)| (name, final_name(shard).into()))
+            .collect();
         write_json(
             out_dir,
             "model.safetensors.index.json",
