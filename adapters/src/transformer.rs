@@ -170,6 +170,14 @@ pub struct Decoder {
     whole_buffer: bool,
 }
 
+/// Longest prompt read, where whole-buffer attention pays ([`whole_buffer_pays`]), as
+/// its first token and then continuations over the whole cache buffer rather than in
+/// one forward: one forward builds an attention plan for its own length, so nearly every
+/// new prompt would pay one (as much as dozens of decode steps on CUDA), while the pieces
+/// use the plan every verify needs anyway. Each piece reads the weights once more, so
+/// past a few pieces one forward is cheaper than the plan it saves.
+pub const SHORT_PROMPT_MAX_TOKENS: i32 = 8 * WHOLE_BUFFER_MAX_TOKENS;
+
 /// Longest continuation run in the row layout; longer ones (a second chat turn, say)
 /// take the batched path, whose per-token cost is far lower.
 pub const MAX_ROWWISE_TOKENS: i32 = 32;
@@ -226,24 +234,14 @@ impl Decoder {
             whole_buffer: whole_buffer_pays(),
         })
     }
-}
 
-impl TargetModel for Decoder {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-
-    fn new_cache(&self) -> ModelCache {
-        ModelCache::new(self.layers.len())
-    }
-
-    fn forward(
+    /// One forward pass over `tokens` after the cache (arguments already checked).
+    fn forward_once(
         &self,
         tokens: &Array,
         cache: &mut ModelCache,
         taps: &[usize],
     ) -> Result<ForwardOutput> {
-        check_forward_args(tokens, cache, taps, self.layers.len())?;
         let offset = cache.offset() as i32;
         let asked = tokens.shape()[1];
         // A short continuation of a cached sequence (a speculative verify) runs in the
@@ -319,6 +317,56 @@ impl TargetModel for Decoder {
             cache.trim(pad as usize);
         }
         Ok(ForwardOutput { logits, hidden })
+    }
+}
+
+impl TargetModel for Decoder {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_cache(&self) -> ModelCache {
+        ModelCache::new(self.layers.len())
+    }
+
+    fn forward(
+        &self,
+        tokens: &Array,
+        cache: &mut ModelCache,
+        taps: &[usize],
+    ) -> Result<ForwardOutput> {
+        check_forward_args(tokens, cache, taps, self.layers.len())?;
+        let asked = tokens.shape()[1];
+        let in_pieces = self.whole_buffer
+            && !self.rowwise_verify
+            && cache.offset() == 0
+            && asked > 1
+            && asked <= SHORT_PROMPT_MAX_TOKENS;
+        if !in_pieces {
+            return self.forward_once(tokens, cache, taps);
+        }
+        // A short prompt: its first token alone, then continuations over the whole
+        // buffer (see `SHORT_PROMPT_MAX_TOKENS`).
+        let mut outs = Vec::new();
+        let mut start = 0;
+        while start < asked {
+            let end = if start == 0 {
+                1
+            } else {
+                (start + WHOLE_BUFFER_MAX_TOKENS).min(asked)
+            };
+            outs.push(self.forward_once(&tokens.try_index((.., start..end))?, cache, taps)?);
+            start = end;
+        }
+        let logits: Vec<&Array> = outs.iter().map(|o| &o.logits).collect();
+        let hidden: Vec<&Array> = outs.iter().filter_map(|o| o.hidden.as_ref()).collect();
+        Ok(ForwardOutput {
+            logits: concatenate(&logits, 1)?,
+            hidden: match hidden.is_empty() {
+                true => None,
+                false => Some(concatenate(&hidden, 1)?),
+            },
+        })
     }
 
     fn embed(&self, tokens: &Array) -> Result<Array> {
@@ -414,6 +462,52 @@ mod tests {
                     .filter(|(a, b)| a.to_bits() != b.to_bits())
                     .count();
                 assert_eq!(differing, 0, "{name} {dtype:?}: {differing} logits differ");
+            }
+        }
+    }
+
+    /// A short prompt read in pieces over the whole buffer (CUDA's prefill path) gives
+    /// the logits, taps and cache of one causal forward, and what follows it agrees.
+    #[test]
+    fn short_prompts_read_in_pieces_equal_one_forward() {
+        use super::Decoder;
+        use crate::fixtures::RandomWeights;
+        use crate::llama::llama_spec;
+
+        let config: serde_json::Value = serde_json::from_str(TINY_LLAMA).expect("config");
+        let dir = std::path::Path::new(".");
+        let tokens: Vec<u32> = (0..75).map(|i| (i * 41 + 3) % 97).collect();
+        let ids = |t: &[u32]| Array::from_slice(t, &[1, t.len() as i32]);
+        for prompt in [2usize, 33, 70] {
+            let run = |whole_buffer: bool| -> (Vec<f32>, Vec<f32>) {
+                let spec = llama_spec(&config, dir, "llama", Some(6)).expect("spec");
+                let mut weights = RandomWeights::new(17).expect("weights");
+                let mut model = Decoder::load(spec, &mut weights).expect("load");
+                model.whole_buffer = whole_buffer;
+                let mut cache = model.new_cache();
+                let out = model
+                    .forward(&ids(&tokens[..prompt]), &mut cache, &[0])
+                    .expect("prefill");
+                assert_eq!(cache.offset(), prompt);
+                let mut logits = out.logits.as_slice::<f32>().to_vec();
+                assert_eq!(logits.len(), prompt * 97, "every position's logits");
+                let tapped = out.hidden.expect("taps");
+                assert_eq!(tapped.shape()[1] as usize, prompt);
+                let next = model
+                    .forward(&ids(&tokens[prompt..prompt + 4]), &mut cache, &[])
+                    .expect("a continuation");
+                logits.extend_from_slice(next.logits.as_slice::<f32>());
+                (logits, tapped.as_slice::<f32>().to_vec())
+            };
+            let (pieces, one) = (run(true), run(false));
+            for (what, a, b) in [("logits", &pieces.0, &one.0), ("taps", &pieces.1, &one.1)] {
+                assert_eq!(a.len(), b.len());
+                let worst = a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(worst < 1e-4, "prompt {prompt}, {what}: differ by {worst}");
             }
         }
     }

@@ -7,6 +7,7 @@
 use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
+use dspec_adapters::attention::WHOLE_BUFFER_MAX_TOKENS;
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{
     inventory, Draft, DraftAhead, Drafter, DrafterLoadRequest, DrafterRegistration, Picked,
@@ -15,6 +16,10 @@ use dspec_plugin_api::{
 use dspec_runtime::Backend;
 
 use crate::draft_thread::DraftThread;
+
+/// Committed tokens worth sending to the thread before drafting resumes: a whole
+/// continuation's width, the longest forward the thread reads them in.
+const FEED_AT: usize = WHOLE_BUFFER_MAX_TOKENS as usize;
 
 pub struct DraftModelDrafter {
     /// The model and its cache, on their own thread.
@@ -28,6 +33,9 @@ pub struct DraftModelDrafter {
     /// The target's vocabulary size: logits are cut to it (a draft model may pad its
     /// vocabulary differently) and distributions are padded to it.
     target_vocab: usize,
+    /// Whether the thread works while the target does: then it also reads runs of
+    /// plain steps as they come ([`FEED_AT`]).
+    overlaps: bool,
 }
 
 impl DraftModelDrafter {
@@ -45,6 +53,7 @@ impl DraftModelDrafter {
             unsent: Vec::new(),
             sent_last: false,
             target_vocab,
+            overlaps: ahead != DraftAhead::Off,
         })
     }
 
@@ -122,6 +131,12 @@ impl Drafter for DraftModelDrafter {
         let sent = usize::from(std::mem::take(&mut self.sent_last));
         self.unsent
             .extend_from_slice(verified.get(sent..).unwrap_or_default());
+        // A run of plain steps arrives in pieces: where the thread's work overlaps the
+        // target's (as drafting ahead does), it reads each piece while the target decodes
+        // on, instead of all of them at the next round's drafting, on its clock.
+        if self.overlaps && self.unsent.len() >= FEED_AT {
+            self.thread.feed(std::mem::take(&mut self.unsent))?;
+        }
         Ok(())
     }
 }

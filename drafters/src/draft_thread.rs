@@ -26,7 +26,9 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::{Array, Dtype};
 
-use dspec_adapters::attention::{reserve_for_generation, WHOLE_BUFFER_MAX_TOKENS};
+use dspec_adapters::attention::{
+    reserve_for_generation, whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS,
+};
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{DraftAhead, ModelCache, TargetModel};
 
@@ -54,6 +56,9 @@ const KEPT_ALL_WEIGHT: f64 = 0.2;
 enum Request {
     /// A new sequence: forget everything and read this prompt.
     Begin(Vec<u32>),
+    /// The committed sequence grew by these tokens while the engine decodes without
+    /// drafts: read them now, so that the next round's drafting finds them read.
+    Feed(Vec<u32>),
     /// The committed sequence grew by `committed`: the model's `k` greedy tokens after it.
     Draft { committed: Vec<u32>, k: usize },
     /// The committed sequence grew by `committed`: the model's logits after it followed
@@ -69,6 +74,7 @@ enum Request {
 
 enum Reply {
     Begun,
+    Fed,
     Tokens(Drafted),
     Logits(Vec<f32>),
     #[cfg(test)]
@@ -165,6 +171,14 @@ impl DraftThread {
     /// Starts a sequence; the reply is collected with the next request's.
     pub fn begin(&mut self, prompt: &[u32]) -> Result<()> {
         self.send(Request::Begin(prompt.to_vec()))
+    }
+
+    /// Tells the thread that the committed sequence grew by `committed`, without waiting:
+    /// it reads them while the engine goes on (the reply is collected with the next
+    /// request's), so a long run of plain decoding steps is not read all at once when
+    /// drafting resumes.
+    pub fn feed(&mut self, committed: Vec<u32>) -> Result<()> {
+        self.send(Request::Feed(committed))
     }
 
     /// The draft model's `k` greedy tokens after the committed sequence, which has grown
@@ -312,6 +326,7 @@ impl Chain {
             // A new sequence needs nothing from the old one.
             (Request::Begin(prompt), _) => self.begin(prompt).map(|()| Reply::Begun),
             (_, Some(e)) => Err(e),
+            (Request::Feed(committed), None) => self.feed(&committed).map(|()| Reply::Fed),
             (Request::Draft { committed, k }, None) => self.draft(&committed, k).map(Reply::Tokens),
             (Request::Logits { committed, extra }, None) => {
                 self.logits(&committed, &extra).map(Reply::Logits)
@@ -359,6 +374,39 @@ impl Chain {
         Ok(Drafted { tokens, ready })
     }
 
+    /// Grows the committed sequence by `committed` and reads all of it but its last
+    /// token, which the next round feeds anyway to get the logits after it.
+    fn feed(&mut self, committed: &[u32]) -> Result<()> {
+        let want = self.committed_with(committed)?;
+        if want.len() < 2 {
+            return Ok(());
+        }
+        let keep = self.keep_for(&want);
+        self.cache.trim(self.fed - keep);
+        self.fed = keep;
+        for piece in want[keep..want.len() - 1].chunks(WHOLE_BUFFER_MAX_TOKENS as usize) {
+            // Only the cache is wanted: the logits stay unevaluated.
+            self.model.forward(
+                &Array::from_slice(piece, &[1, piece.len() as i32]),
+                &mut self.cache,
+                &[],
+            )?;
+            self.fed += piece.len();
+        }
+        mlx_rs::transforms::eval(self.cache.state())?;
+        self.own_from = want.len();
+        self.host = want;
+        Ok(())
+    }
+
+    /// How many of the cached positions `want` can keep: those it shares with the
+    /// sequence, short of its last token, whose logits are always computed afresh.
+    fn keep_for(&self, want: &[u32]) -> usize {
+        common_prefix(&self.host, want)
+            .min(self.fed)
+            .min(want.len().saturating_sub(1))
+    }
+
     /// The model's logits after the committed sequence grown by `committed`, followed
     /// by `extra`, on the host.
     fn logits(&mut self, committed: &[u32], extra: &[u32]) -> Result<Vec<f32>> {
@@ -394,6 +442,21 @@ impl Chain {
             // Only the cache is wanted: the logits stay unevaluated.
             self.model.forward(&tokens, &mut self.cache, &[])?;
             mlx_rs::transforms::eval(self.cache.state())?;
+        }
+        if whole_buffer_pays() {
+            // A continuation over the whole buffer has an attention plan of its own to
+            // build the first time (docs/benchmarks.md, "Where the time goes on CUDA"):
+            // built now, while the target reads the prompt, not at the first catch-up.
+            // Two throwaway positions, trimmed again.
+            if let Some(&last) = prompt.last() {
+                let out = self.model.forward(
+                    &Array::from_slice(&[last, last], &[1, 2]),
+                    &mut self.cache,
+                    &[],
+                )?;
+                out.logits.eval()?;
+                self.cache.trim(2);
+            }
         }
         self.fed = prompt.len();
         self.own_from = prompt.len();
@@ -440,9 +503,7 @@ impl Chain {
         }
         self.resolve()?;
         // At least the last token is fed again: its logits are what is asked for.
-        let keep = common_prefix(&self.host, want)
-            .min(self.fed)
-            .min(want.len() - 1);
+        let keep = self.keep_for(want);
         self.cache.trim(self.fed - keep);
         self.fed = keep;
         self.host = want.to_vec();
@@ -589,6 +650,47 @@ mod tests {
             .expect("whole")
             .tokens;
         assert_eq!(drafts, expected);
+    }
+
+    /// A run of plain steps fed in pieces while it goes on (then the rest with the next
+    /// round) drafts what reading the whole sequence as its prompt does, also when a
+    /// piece rewinds what the thread had drafted after the last round.
+    #[test]
+    fn pieces_fed_in_the_background_draft_what_reading_it_whole_does() {
+        let dir = model_dir(29);
+        let committed: Vec<u32> = (0..81).map(|i| (i * 31 + 5) % 97).collect();
+        let mut fed = spawn(&dir, DraftAhead::On);
+        fed.draft(vec![35], 3).expect("a first round");
+        fed.feed(committed[..32].to_vec()).expect("a piece");
+        fed.feed(committed[32..33].to_vec())
+            .expect("a one-token piece");
+        fed.feed(committed[33..70].to_vec())
+            .expect("a longer piece");
+        let drafts = fed
+            .draft(committed[70..].to_vec(), 4)
+            .expect("after the run")
+            .tokens;
+
+        let mut whole = spawn_unstarted(&dir, DraftAhead::Off);
+        let mut prompt = PROMPT.to_vec();
+        prompt.push(35);
+        prompt.extend_from_slice(&committed[..committed.len() - 1]);
+        whole.begin(&prompt).expect("begin");
+        let expected = whole
+            .draft(vec![committed[committed.len() - 1]], 4)
+            .expect("whole")
+            .tokens;
+        assert_eq!(drafts, expected);
+    }
+
+    /// Feeding before any prompt is an error at the next request, not a hang.
+    #[test]
+    fn feeding_without_a_prompt_fails_at_the_next_request() {
+        let dir = model_dir(31);
+        let mut thread = spawn_unstarted(&dir, DraftAhead::Off);
+        thread.feed(vec![1, 2, 3]).expect("sending does not wait");
+        let e = thread.draft(vec![4], 2).expect_err("no prompt was read");
+        assert!(e.to_string().contains("no prompt"), "{e}");
     }
 
     /// Drafts are the model's greedy tokens after the committed sequence whether or not

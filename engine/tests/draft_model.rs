@@ -138,6 +138,52 @@ fn draft_models_give_the_greedy_output(ahead: DraftAhead) {
     }
 }
 
+/// Under `--max-draft auto` a draft model whose drafts fail leaves long runs of plain
+/// steps, which reach its thread in pieces it reads while the target decodes (when its
+/// work overlaps the target's): the output is still plain greedy's, token for token.
+#[test]
+fn plain_runs_under_auto_reach_the_draft_model_in_pieces_and_change_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let (t, other) = (root.path().join("target"), root.path().join("other"));
+    write_tiny_model(&t, "{}", 11).unwrap();
+    write_tiny_model(&other, r#"{"num_hidden_layers": 1}"#, 5).unwrap();
+    let target = load(&t);
+    let cfg = greedy_config(160, vec![]);
+    let ids = target.tokenizer.encode_prompt("plain runs", false).unwrap();
+    let plain = generate(
+        target.model.as_ref(),
+        &target.tokenizer,
+        &ids,
+        &cfg,
+        &mut |_| {},
+    )
+    .unwrap();
+    for ahead in [DraftAhead::Off, DraftAhead::On] {
+        let mut drafter = drafter_for(other.to_str().unwrap(), &target, None, ahead);
+        let spec = generate_speculative(
+            target.model.as_ref(),
+            &target.tokenizer,
+            &ids,
+            &cfg,
+            Speculation {
+                drafter: drafter.as_mut(),
+                max_draft: 4,
+                adaptive: true,
+                trace: None,
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(spec.tokens, plain.tokens, "{ahead:?}");
+        let s = &spec.speculative;
+        assert!(
+            s.draft_histogram[0] > 64,
+            "{ahead:?}: runs of plain steps long enough to arrive in pieces: {:?}",
+            s.draft_histogram
+        );
+    }
+}
+
 #[test]
 fn eos_and_max_tokens_inside_a_draft_model_block_stop_like_plain_decoding() {
     let root = tempfile::tempdir().unwrap();

@@ -36,6 +36,8 @@ struct NoisyOracle {
     round: usize,
     vocab: u32,
     hidden_checks: usize,
+    /// Most positions one `commit` brought.
+    longest_commit: usize,
     always_wrong: bool,
     /// Time each `propose` of drafts takes, as a draft model's forwards would.
     propose_cost: Duration,
@@ -50,6 +52,7 @@ impl NoisyOracle {
             round: 0,
             vocab: 259,
             hidden_checks: 0,
+            longest_commit: 0,
             always_wrong: false,
             propose_cost: Duration::ZERO,
         }
@@ -114,6 +117,7 @@ impl Drafter for NoisyOracle {
         let h = hidden.expect("hidden states of the verified positions");
         assert_eq!(h.shape()[1] as usize, verified.len());
         self.hidden_checks += 1;
+        self.longest_commit = self.longest_commit.max(verified.len());
         self.seen += verified.len();
         Ok(())
     }
@@ -390,12 +394,18 @@ fn auto_draft_length_decodes_plainly_while_drafts_fail() {
         s.draft_histogram
     );
     assert_eq!(s.draft_histogram[6], 3, "the warm-up drafts the maximum");
-    // Plain steps reach the drafter in batches, each commit checked by the oracle.
+    // Plain steps reach the drafter in batches, each commit checked by the oracle, and
+    // a long run in pieces the drafter can read while it goes on.
     assert!(
         drafter.hidden_checks * 3 < s.target_forwards,
         "{} commits for {} rounds",
         drafter.hidden_checks,
         s.target_forwards
+    );
+    assert!(
+        (2..=32).contains(&drafter.longest_commit),
+        "longest commit: {}",
+        drafter.longest_commit
     );
     // The trace has a line per round; rounds without drafts show none.
     let lines: Vec<serde_json::Value> = String::from_utf8(trace)

@@ -111,8 +111,9 @@ pub trait Drafter: Send {
     ///
     /// A `propose` with `max_k` 0 starts rounds without drafts: the engine then decodes
     /// plainly for as long as drafts do not pay, and the positions of all those steps
-    /// arrive in the one `commit` that follows, `[last, t1, t2, …]`, so a drafter does
-    /// no work per plain step.
+    /// arrive in the `commit`s that follow, `[last, t1, t2, …]` split into consecutive
+    /// pieces of a few dozen positions, so a drafter does no work per plain step and may
+    /// read each piece while decoding goes on.
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()>;
 }
 

@@ -19,7 +19,7 @@ use mlx_rs::transforms::async_eval;
 use mlx_rs::Array;
 use serde::Serialize;
 
-use dspec_adapters::attention::reserve_for_generation;
+use dspec_adapters::attention::{reserve_for_generation, WHOLE_BUFFER_MAX_TOKENS};
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
@@ -320,7 +320,8 @@ impl Rounds<'_, '_> {
     /// chooses none: two steps in flight (the next step's graph is built on the still
     /// lazy token, as [`crate::decoding::generate::generate`] does), one token read per step, and
     /// no drafter work per step: the drafter is asked for no drafts once, and hears of
-    /// every position the run fed in one `commit` at its end. Each step is a round to
+    /// the positions the run fed in `commit`s of [`COMMIT_EVERY`] (the last one at the
+    /// run's end), which a drafter may read while the run goes on. Each step is a round to
     /// the controller, timed from token to token, so rounds without drafts are measured
     /// at plain decoding's pipelined speed and its probes keep coming. Returns the stop
     /// reason when generation ends, else the draft length chosen for the next round.
@@ -375,20 +376,37 @@ impl Rounds<'_, '_> {
                     break (Some(stop), None);
                 }
                 (None, Some(step)) => {
+                    // `fed` and `hidden` cover the same positions here: the token just
+                    // read is fed by the step now in flight.
+                    if fed.len() >= COMMIT_EVERY {
+                        let hidden = concat_steps(std::mem::take(&mut hidden))?;
+                        self.drafter
+                            .commit(&std::mem::take(&mut fed), hidden.as_ref())?;
+                    }
                     fed.push(token);
                     current = step;
                 }
                 (None, None) => break (None, next_k),
             }
         };
-        let hidden = match hidden.len() {
-            0 => None,
-            1 => hidden.pop(),
-            _ => Some(concatenate(&hidden, 1)?),
-        };
+        let hidden = concat_steps(hidden)?;
         self.drafter.commit(&fed, hidden.as_ref())?;
         Ok(outcome)
     }
+}
+
+/// Positions of a run of plain steps told to the drafter at once: often enough for a
+/// drafter to keep up in the background (a draft model reads them on its thread), few
+/// enough commits that telling costs nothing per step.
+const COMMIT_EVERY: usize = WHOLE_BUFFER_MAX_TOKENS as usize;
+
+/// The hidden states of consecutive plain steps as one `[1, n, ..]` array.
+fn concat_steps(mut hidden: Vec<Array>) -> Result<Option<Array>, EngineError> {
+    Ok(match hidden.len() {
+        0 => None,
+        1 => hidden.pop(),
+        _ => Some(concatenate(&hidden, 1)?),
+    })
 }
 
 /// Speculative generation: greedy or sampled as `config.sampling` says, lossless
