@@ -10,7 +10,7 @@
 # random_weights.py: decode speed depends on shapes, not values. Random models agree
 # with each other no more than chance, so the draft model's tau is ~1 there (n-gram
 # lookup still finds the loops random models fall into); real weights (converted GGUF
-# carried in parts, see the README) give the real tau and output comparison.
+# carried in parts, see scripts/gpu-real.sh) give the real tau and output comparison.
 # Results: $OUT/bench.json, $OUT/bench.log.   Usage: bash scripts/gpu-bench.sh [ARGS...]
 # (extra ARGS go to bench_gpu.py, e.g. --passes 1 --max-tokens 64), or
 # bash scripts/gpu-bench.sh --sweep [ARGS...] for gpu_sweep.py (MLX CUDA settings).

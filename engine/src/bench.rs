@@ -366,9 +366,9 @@ pub const NEAR_TIE_ULPS: f32 = 2.0;
 /// The largest gap between two logits of magnitude up to `magnitude`, stored as `dtype`,
 /// that rounding alone can explain: [`NEAR_TIE_ULPS`] units in the last place of
 /// `magnitude` in that format. `None` for f32 and wider: dspec's f32 verify and step
-/// compute every logit alike (the CPU backend's batched path is checked bitwise against
-/// one-token decoding), so there speculative greedy must equal plain greedy token for
-/// token and no gap is excused.
+/// compute every logit alike on the CPU backend (the tests check speculative greedy output
+/// against plain greedy's, token for token, for every drafter), so there speculative
+/// greedy must equal plain greedy token for token and no gap is excused.
 pub fn rounding_tolerance(dtype: Dtype, magnitude: f32) -> Option<f32> {
     // Explicit mantissa bits, and the smallest normal exponent (below it the spacing is
     // that of the smallest normals).

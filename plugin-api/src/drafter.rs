@@ -240,7 +240,8 @@ pub fn drafter_kinds() -> Result<Vec<&'static DrafterRegistration>> {
     Ok(kinds)
 }
 
-/// The kind whose `detect` accepts `config`, if exactly one does.
+/// The first kind, in name order, whose `detect` accepts `config` (the built-in kinds
+/// tell their configs apart by `architectures`, so at most one of them accepts).
 pub fn detect_drafter_kind(
     config: &serde_json::Value,
 ) -> Result<Option<&'static DrafterRegistration>> {

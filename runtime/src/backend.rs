@@ -49,8 +49,8 @@ impl Backend {
         }
     }
 
-    /// `--dtype auto`: f32 on the CPU backend, where bf16 decodes slower than f32 (the
-    /// README's `--dtype` says by how much); the checkpoint's own dtype on a GPU.
+    /// `--dtype auto`: f32 on the CPU backend, where bf16 decodes slower than f32
+    /// (docs/benchmarks.md says by how much); the checkpoint's own dtype on a GPU.
     pub fn auto_dtype(self) -> Option<Dtype> {
         match self {
             Backend::Cpu => Some(Dtype::Float32),

@@ -76,7 +76,7 @@ pub fn load_model_with_lora(
     let loaded = load_with(arg, registry, options, show_progress, |entry, req| {
         if let AdapterSource::Plugin { path, .. } = &entry.source {
             return Err(ModelError::Unsupported(format!(
-                "--lora: `{}` models come from the plugin {}, and LoRA adapters apply to                  built-in families only; drop --lora or use a built-in family",
+                "--lora: `{}` models come from the plugin {}, and LoRA adapters apply to built-in families only; drop --lora or use a built-in family",
                 entry.name,
                 path.display()
             ))
