@@ -50,6 +50,12 @@ const KEPT_ALL_TO_LOOK_AHEAD: f64 = 0.4;
 /// Weight of the newest round in that share (an exponential moving average).
 const KEPT_ALL_WEIGHT: f64 = 0.2;
 
+/// How far back the draft model's cache must be able to go after any forward, when it
+/// has recurrent layers: a round's drafts and what was drafted ahead of them (ahead is
+/// capped to it), for rounds of up to `--max-draft auto`'s 8 drafts. Longer rounds that
+/// reject early read the sequence again instead (see `Chain::restart_at`).
+const ROLLBACK_WINDOW: usize = 16;
+
 /// What the engine's thread asks of the draft thread. Every request gets one reply.
 enum Request {
     /// A new sequence: forget everything and read this prompt.
@@ -274,7 +280,8 @@ impl Chain {
         ahead: DraftAhead,
         max_new_tokens: Option<usize>,
     ) -> Self {
-        let cache = model.new_cache();
+        let mut cache = model.new_cache();
+        cache.set_rollback_window(ROLLBACK_WINDOW);
         Self {
             model,
             cache,
@@ -354,6 +361,10 @@ impl Chain {
         // drafts for the next round.
         if self.ahead != DraftAhead::Off && self.kept_all >= KEPT_ALL_TO_LOOK_AHEAD {
             self.ahead_until = want.len() + taken + 1 + k;
+            // Not further than the cache can roll back to the committed sequence.
+            if let Some(window) = self.cache.rollback_window() {
+                self.ahead_until = self.ahead_until.min(want.len() + window);
+            }
         }
         self.last_drafts = tokens.clone();
         Ok(Drafted { tokens, ready })
@@ -385,6 +396,7 @@ impl Chain {
         self.committed = None;
         self.last_drafts.clear();
         self.cache = self.model.new_cache();
+        self.cache.set_rollback_window(ROLLBACK_WINDOW);
         if let Some(room) = self.max_new_tokens {
             reserve_for_generation(&mut self.cache, prompt.len() + room);
         }
@@ -440,10 +452,23 @@ impl Chain {
         }
         self.resolve()?;
         // At least the last token is fed again: its logits are what is asked for.
-        let keep = common_prefix(&self.host, want)
+        let mut keep = common_prefix(&self.host, want)
             .min(self.fed)
             .min(want.len() - 1);
-        self.cache.trim(self.fed - keep);
+        let from_scratch = self.fed - keep > self.cache.rollback_limit();
+        if from_scratch {
+            // A model with recurrent state goes back only so far (drafting ahead is
+            // capped to stay within it; a round longer than its window is not): read
+            // the sequence again from its start.
+            self.cache = self.model.new_cache();
+            self.cache.set_rollback_window(ROLLBACK_WINDOW);
+            if let Some(room) = self.max_new_tokens {
+                reserve_for_generation(&mut self.cache, want.len() + room);
+            }
+            keep = 0;
+        } else {
+            self.cache.trim(self.fed - keep)?;
+        }
         self.fed = keep;
         self.host = want.to_vec();
         self.own_from = want.len();
@@ -454,6 +479,7 @@ impl Chain {
         // cache builds a cuDNN graph for it, and catching up after a run of plain steps
         // comes in every length. Only the last piece's logits are used.
         let piece = match rest.len() {
+            _ if from_scratch => PREFILL_CHUNK,
             0..=ONE_BY_ONE => 1,
             _ => WHOLE_BUFFER_MAX_TOKENS as usize,
         };
@@ -477,7 +503,7 @@ impl Chain {
                     "the draft model was asked to continue an empty sequence".into(),
                 ));
             }
-            self.cache.trim(1);
+            self.cache.trim(1)?;
             self.fed -= 1;
         }
         let last = match self.lazy.last() {
