@@ -394,7 +394,14 @@ mod tests {
                 "hidden_activation": "gelu_pytorch_tanh"}"#,
         );
         let tokens: Vec<u32> = (0..14).map(|i| (i * 31 + 5) % 97).collect();
-        for (name, config) in [("llama", TINY_LLAMA.to_string()), ("gemma2", gemma2)] {
+        // The hybrid decoder (hybrid.rs) makes the same promise for its linear-attention
+        // layers, whose verify positions step through the recurrence as decoding does.
+        let qwen3_5 = with(TINY_LLAMA, crate::fixtures::TINY_QWEN3_5_OVERRIDES);
+        for (name, config) in [
+            ("llama", TINY_LLAMA.to_string()),
+            ("gemma2", gemma2),
+            ("qwen3_5", qwen3_5),
+        ] {
             let dir = tempfile::tempdir().expect("temp dir");
             write_random_model(dir.path(), &config, 3, None).expect("fixture");
             for dtype in [Dtype::Float32, Dtype::Bfloat16] {
