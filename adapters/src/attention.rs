@@ -41,6 +41,10 @@ pub struct AttentionSpec {
     pub k_eq_v: bool,
     /// RMSNorm without a learned scale on each value head, with this eps (gemma4).
     pub v_norm: Option<f32>,
+    /// `q_proj` yields, per head, the query followed by as many gate logits; the
+    /// attention output is multiplied by their sigmoid before `o_proj` (Qwen3-Next and
+    /// Qwen3.5 full-attention layers).
+    pub output_gate: bool,
 }
 
 /// The q, k and v projections of one layer.
@@ -220,7 +224,7 @@ impl Attention {
             w,
             &format!("{prefix}.q_proj"),
             h,
-            spec.heads * hd,
+            spec.heads * hd * if spec.output_gate { 2 } else { 1 },
             spec.qkv_bias,
         )?;
         let k = Linear::load(
@@ -267,7 +271,8 @@ impl Attention {
             ),
             None => (None, None),
         };
-        let (q_size, kv_size) = (spec.heads * hd, spec.kv_heads * hd);
+        let q_size = spec.heads * hd * if spec.output_gate { 2 } else { 1 };
+        let kv_size = spec.kv_heads * hd;
         let mut parts = vec![&q, &k];
         parts.extend(v.as_ref());
         let projections = match Linear::fuse(&parts)? {
@@ -344,7 +349,11 @@ impl Attention {
         let Projections::Fused { qkv, sizes } = &self.projections else {
             return Ok(None);
         };
-        if sizes.len() != 3 || self.q_norm.is_some() || self.k_norm.is_some() || s.v_norm.is_some()
+        if sizes.len() != 3
+            || self.q_norm.is_some()
+            || self.k_norm.is_some()
+            || s.v_norm.is_some()
+            || s.output_gate
         {
             return Ok(None);
         }
@@ -401,10 +410,18 @@ impl Attention {
         let s = &self.spec;
         let rows = is_row_layout(x);
         let offset = cache.offset() as i32;
+        let mut gate = None;
         let (q, k, v) = match self.packed_heads(x, offset)? {
             Some(qkv) => qkv,
             None => {
                 let (raw_q, raw_k, raw_v) = self.project(x)?;
+                let raw_q = match self.split_gate(raw_q)? {
+                    (q, Some(g)) => {
+                        gate = Some(g);
+                        q
+                    }
+                    (q, None) => q,
+                };
                 let mut q = self.split_heads(raw_q, s.heads)?;
                 if let Some(qn) = &self.q_norm {
                     q = qn.forward(&q)?;
@@ -453,7 +470,27 @@ impl Attention {
             out.transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, s.heads * s.head_dim])?
         };
+        let out = match gate {
+            Some(gate) => out.multiply(mlx_rs::ops::sigmoid(&gate)?)?,
+            None => out,
+        };
         self.o.forward(&out)
+    }
+
+    /// The query and, under `output_gate`, the gate logits, each `[B, L, heads·D]`,
+    /// from the raw `q_proj` output that holds them per head side by side.
+    fn split_gate(&self, raw_q: Array) -> Result<(Array, Option<Array>)> {
+        let s = &self.spec;
+        if !s.output_gate {
+            return Ok((raw_q, None));
+        }
+        let (b, l) = (raw_q.shape()[0], raw_q.shape()[1]);
+        let per_head = raw_q.reshape(&[b, l, s.heads, 2 * s.head_dim])?;
+        let flat = |part: Array| part.reshape(&[b, l, s.heads * s.head_dim]);
+        Ok((
+            flat(slice_axis(&per_head, 3, 0, s.head_dim)?)?,
+            Some(flat(slice_axis(&per_head, 3, s.head_dim, 2 * s.head_dim)?)?),
+        ))
     }
 
     /// Attention of `q` (`[1, heads, L, D]`) over `keys`/`values`.
@@ -546,6 +583,7 @@ mod tests {
             rope,
             k_eq_v: false,
             v_norm: None,
+            output_gate: false,
         }
     }
 

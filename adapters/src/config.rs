@@ -7,7 +7,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::{LoadRequest, TargetModel};
+use dspec_plugin_api::{LoadRequest, TargetModel, WeightSource};
 
 use crate::attention::AttentionSpec;
 use crate::layers::{Activation, NormWeight, Rope};
@@ -108,6 +108,7 @@ impl CommonConfig {
             rope,
             k_eq_v: false,
             v_norm: None,
+            output_gate: false,
         }
     }
 
@@ -226,8 +227,23 @@ pub struct DecoderFamily {
 
 inventory::collect!(DecoderFamily);
 
+/// Builds a family's model from its parsed config.json, the model directory (for error
+/// messages) and a weight source.
+pub type BuildFn =
+    fn(&serde_json::Value, &Path, &mut dyn WeightSource) -> Result<Box<dyn TargetModel>>;
+
+/// Any built-in family's model built from its config over a weight source, registered
+/// next to its adapter so test fixtures can make random checkpoints of every family
+/// (decoder and hybrid alike) by running the very code that loads them.
+pub struct FamilyBuilder {
+    pub model_type: &'static str,
+    pub build: BuildFn,
+}
+
+inventory::collect!(FamilyBuilder);
+
 /// Registers a family whose model is the shared decoder: its adapter (loading through
-/// [`load_decoder`]) and its [`DecoderFamily`] entry.
+/// [`load_decoder`]), its [`DecoderFamily`] and its [`FamilyBuilder`] entries.
 #[macro_export]
 macro_rules! decoder_family {
     (name: $name:literal, model_types: [$($mt:literal),*], aliases: [$($alias:literal),*],
@@ -248,6 +264,16 @@ macro_rules! decoder_family {
         }
         inventory::submit! {
             $crate::config::DecoderFamily { model_type: $name, spec: $spec }
+        }
+        fn build_family(
+            config: &serde_json::Value,
+            dir: &std::path::Path,
+            weights: &mut dyn dspec_plugin_api::WeightSource,
+        ) -> dspec_plugin_api::error::Result<Box<dyn dspec_plugin_api::TargetModel>> {
+            Ok(Box::new($crate::transformer::Decoder::load($spec(config, dir)?, weights)?))
+        }
+        inventory::submit! {
+            $crate::config::FamilyBuilder { model_type: $name, build: build_family }
         }
     };
 }

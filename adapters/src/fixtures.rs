@@ -12,8 +12,7 @@ use std::path::Path;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{AdapterRegistry, LoadOptions, LoadRequest, Quantization, TargetModel};
 
-use crate::config::DecoderFamily;
-use crate::transformer::Decoder;
+use crate::config::FamilyBuilder;
 
 pub use random_weights::RandomWeights;
 
@@ -59,6 +58,33 @@ pub const TINY_GEMMA4_OVERRIDES: &str = r#"{
     "tie_word_embeddings": true
 }"#;
 
+/// A tiny dense Qwen3.5 (text-only layout) as overrides of [`TINY_LLAMA`]: three
+/// layers, the first and last Gated DeltaNet (2 key heads over 4 value heads of 8, a
+/// kernel of 4), the middle one gated full attention with a quarter of its 16-wide heads
+/// rotated.
+pub const TINY_QWEN3_5_OVERRIDES: &str = r#"{
+    "model_type": "qwen3_5_text",
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "hidden_act": "silu",
+    "tie_word_embeddings": false
+}"#;
+
+/// [`TINY_QWEN3_5_OVERRIDES`] as a dense Qwen3-Next (projections grouped per key head).
+pub const TINY_QWEN3_NEXT_OVERRIDES: &str = r#"{
+    "model_type": "qwen3_next",
+    "architectures": ["Qwen3NextForCausalLM"],
+    "num_experts": 0
+}"#;
+
 /// `base` with the top-level keys of `overrides` replaced (both JSON objects).
 pub fn with(base: &str, overrides: &str) -> String {
     let mut merged: serde_json::Value = serde_json::from_str(base).unwrap_or_default();
@@ -87,15 +113,12 @@ pub fn write_random_model(
         .as_str()
         .unwrap_or_default()
         .to_string();
-    let family = inventory::iter::<DecoderFamily>
+    let family = inventory::iter::<FamilyBuilder>
         .into_iter()
         .find(|f| f.model_type == model_type)
-        .ok_or_else(|| {
-            ModelError::config(&path, format!("no built-in decoder family `{model_type}`"))
-        })?;
-    let spec = (family.spec)(&config, dir)?;
+        .ok_or_else(|| ModelError::config(&path, format!("no built-in family `{model_type}`")))?;
     let mut weights = RandomWeights::new(seed)?;
-    Decoder::load(spec, &mut weights)?;
+    (family.build)(&config, dir, &mut weights)?;
     weights.save(dir, quantize)?;
     if let (Some(q), Some(obj)) = (quantize, config.as_object_mut()) {
         obj.insert(

@@ -304,6 +304,38 @@ impl Linear {
         }
     }
 
+    /// The same layer with its outputs reordered: output `i` of the result is output
+    /// `rows[i]` of this one. Rows are independent (quantization groups run along the
+    /// input), so quantized weights are reordered exactly. A checkpoint that stores
+    /// projections grouped differently from how they are used (Qwen3-Next's per-key-head
+    /// `in_proj_qkvz`) is reordered once at load instead of at every step.
+    pub fn take_rows(&self, rows: &[i32], prefix: &str) -> Result<Linear> {
+        if self.lora.is_some() {
+            return Err(ModelError::Unsupported(format!(
+                "a LoRA adapter on `{prefix}` is not supported: dspec reorders that \
+                 projection's outputs at load"
+            )));
+        }
+        let index = Array::from_slice(rows, &[rows.len() as i32]);
+        let take = |a: &Array| a.take_axis(&index, 0);
+        let weight = match &self.weight {
+            LinearWeight::Dense(d) => LinearWeight::Dense(DenseProduct::new(take(&d.weight)?)),
+            LinearWeight::Quantized(q) => LinearWeight::Quantized(Quantized {
+                weight: take(&q.weight)?,
+                scales: take(&q.scales)?,
+                biases: take(&q.biases)?,
+                group_size: q.group_size,
+                bits: q.bits,
+            }),
+        };
+        let bias = self.bias.as_ref().map(take).transpose()?;
+        Ok(Linear {
+            weight,
+            bias,
+            lora: None,
+        })
+    }
+
     /// One layer computing `parts`' outputs side by side, when all are dense with the
     /// same bias layout and no switchable LoRA update; `None` leaves them apart. Fusing projections that read the same
     /// input (q/k/v, gate/up) saves kernel launches per token, which is what decoding

@@ -1,15 +1,19 @@
 //! dspec's built-in target families, one file per config.json `model_type`, each a
-//! config → [`transformer::DecoderSpec`] mapping over shared layers, self-registered
-//! with `inventory`. To add a family: copy the closest file and adjust.
+//! config → [`transformer::DecoderSpec`] mapping over shared layers (or, for the hybrid
+//! linear-attention families, a [`hybrid::HybridSpec`]), self-registered with
+//! `inventory`. To add a family: copy the closest file and adjust.
 //!
 //! Modules depend one way: [`layers`] ← [`attention`] ← [`transformer`] ← [`config`] ←
-//! the family files and [`lora`]; [`weights`] (the safetensors loader) sits under
-//! `config` and `lora`.
+//! the family files and [`lora`]; [`layers`] ← [`gated_delta`] ← [`hybrid`] ← the hybrid
+//! family files (`qwen3_5`, `qwen3_next`); [`weights`] (the safetensors loader) sits
+//! under `config` and `lora`.
 
 pub mod attention;
 pub mod config;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod fixtures;
+pub mod gated_delta;
+pub mod hybrid;
 pub mod layers;
 pub mod lora;
 pub mod transformer;
@@ -23,6 +27,8 @@ mod llama;
 mod mistral;
 mod qwen2;
 mod qwen3;
+mod qwen3_5;
+mod qwen3_next;
 
 /// Forces the linker to keep this crate (and so its `inventory` registrations) in
 /// binaries that otherwise only reach it through the registry.

@@ -275,9 +275,9 @@ impl Decoder {
         let mut h = self.embed(&tokens)?;
         // Every layer's cache grows in lockstep, so the first one tells the capacity the
         // whole-buffer masks span once this forward has written its keys.
-        let whole_buffer = match cache.layers.first() {
+        let whole_buffer = match cache.layers_mut().first_mut() {
             Some(first) if over_whole_buffer => {
-                Some(first.capacity_for((offset + len) as usize) as i32)
+                Some(first.kv_mut()?.capacity_for((offset + len) as usize) as i32)
             }
             _ => None,
         };
@@ -297,14 +297,13 @@ impl Decoder {
             h = h.reshape(&[len, 1, hidden_size])?;
         }
         let mut tapped = TapCollector::new(taps, self.layers.len());
-        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
-        {
+        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers_mut()).enumerate() {
             let window = layer.attn.sliding_window();
             let mask = match masks.entry(window) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => e.insert(mask_for(window)?),
             };
-            h = layer.forward(&h, layer_cache, mask)?;
+            h = layer.forward(&h, layer_cache.kv_mut()?, mask)?;
             if taps.contains(&i) {
                 tapped.offer(i, &as_sequence(&h)?);
             }
@@ -314,7 +313,7 @@ impl Decoder {
         if pad > 0 {
             logits = logits.try_index((.., ..asked, ..))?;
             hidden = hidden.map(|h| h.try_index((.., ..asked, ..))).transpose()?;
-            cache.trim(pad as usize);
+            cache.trim(pad as usize)?;
         }
         Ok(ForwardOutput { logits, hidden })
     }
@@ -443,7 +442,14 @@ mod tests {
                 "hidden_activation": "gelu_pytorch_tanh"}"#,
         );
         let tokens: Vec<u32> = (0..14).map(|i| (i * 31 + 5) % 97).collect();
-        for (name, config) in [("llama", TINY_LLAMA.to_string()), ("gemma2", gemma2)] {
+        // The hybrid decoder (hybrid.rs) makes the same promise for its linear-attention
+        // layers, whose verify positions step through the recurrence as decoding does.
+        let qwen3_5 = with(TINY_LLAMA, crate::fixtures::TINY_QWEN3_5_OVERRIDES);
+        for (name, config) in [
+            ("llama", TINY_LLAMA.to_string()),
+            ("gemma2", gemma2),
+            ("qwen3_5", qwen3_5),
+        ] {
             let dir = tempfile::tempdir().expect("temp dir");
             write_random_model(dir.path(), &config, 3, None).expect("fixture");
             for dtype in [Dtype::Float32, Dtype::Bfloat16] {
@@ -542,7 +548,7 @@ mod tests {
                     .expect("round");
                 // Padding (on the whole-buffer path) leaves no positions behind.
                 assert_eq!(cache.offset(), 13);
-                assert_eq!(cache.trim(3), 3);
+                cache.trim(3).expect("trim");
                 let mut logits = model
                     .forward(&ids(&tokens[10..16]), &mut cache, &[])
                     .expect("verify")

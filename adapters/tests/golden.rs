@@ -63,6 +63,22 @@ const SKIPPED: &[(&str, &str)] = &[
          only f32 isolates the architecture from rounding",
     ),
     (
+        "text-only `qwen3_5_text` checkpoints (flat `model.` names)",
+        "the golden qwen3_5 is the released, multimodal layout; the flat one differs only in \
+         its config nesting and tensor prefix, which the conformance tests of the tiny \
+         fixture (qwen3_5.rs) load",
+    ),
+    (
+        "the chunked Gated DeltaNet recurrence",
+        "twelve positions run position by position (prompts longer than the rollback window \
+         and 16 run their head in chunks); gated_delta.rs and hybrid.rs check the chunked \
+         form against stepping, which is compared with transformers here",
+    ),
+    (
+        "mixture-of-experts Qwen3-Next and Qwen3.5 MLPs",
+        "dspec refuses these configs at load (hybrid.rs tests the refusal): nothing to compare",
+    ),
+    (
         "rope scaling `dynamic` and `longrope`",
         "dspec does not support them and refuses such configs",
     ),
@@ -197,11 +213,17 @@ fn compare(family: &str, path: &str, got: &[Vec<f32>], want: &[Vec<f32>]) -> (f3
 /// the whole sequence in one forward, and a prefill of the first half followed by the
 /// rest one token at a time through the KV cache (as decoding runs it).
 fn check_family(family: &str) {
+    check_dir(family, &golden_dir(family), "");
+}
+
+/// [`check_family`] on the checkpoint in `dir`, with the expected logits of the golden
+/// family `family`; `variant` names the checkpoint in messages.
+fn check_dir(family: &str, dir: &Path, variant: &str) {
     // The tolerance is for f32 on the CPU; a GPU build of MLX would otherwise pick its GPU.
     Device::set_default(&Device::cpu());
-    let dir = golden_dir(family);
-    let expected = read_expected(&dir);
-    let model = load(&dir);
+    let expected = read_expected(&golden_dir(family));
+    let model = load(dir);
+    let family = &format!("{family}{variant}");
     assert_eq!(
         model.info().model_type,
         expected.model_type,
@@ -270,4 +292,75 @@ fn gemma3_text() {
 #[test]
 fn gemma4() {
     check_family("gemma4");
+}
+
+#[test]
+fn qwen3_next() {
+    check_family("qwen3_next");
+}
+
+#[test]
+fn qwen3_5() {
+    check_family("qwen3_5");
+}
+
+/// The hybrid golden checkpoint as mlx-lm's conversion would store it: conv1d weights
+/// `[C, K, 1]`, the `x̂ · (1 + w)` norms (not the gated one) stored as `1 + w`, and for a
+/// multimodal Qwen3.5 the language model under `language_model.model.` with its head at
+/// `language_model.lm_head` and no vision tower. The logits must not change: dspec tells
+/// the layouts apart and shifts the norms once, in HF's layout only.
+fn as_mlx_conversion(family: &str) -> tempfile::TempDir {
+    let from = golden_dir(family);
+    let out = tempfile::tempdir().expect("temp dir");
+    std::fs::copy(from.join("config.json"), out.path().join("config.json")).expect("config");
+    let tensors = Array::load_safetensors(from.join("model.safetensors")).expect("weights");
+    let shifted = [
+        ".input_layernorm.weight",
+        ".post_attention_layernorm.weight",
+        ".q_norm.weight",
+        ".k_norm.weight",
+    ];
+    let mut converted: Vec<(String, Array)> = Vec::new();
+    for (name, array) in tensors {
+        if name.starts_with("model.visual.") {
+            continue;
+        }
+        let array = if name.ends_with("conv1d.weight") {
+            array.swap_axes(1, 2).expect("move the kernel axis")
+        } else if shifted.iter().any(|s| name.ends_with(s))
+            || name.ends_with("model.norm.weight")
+            || name == "model.language_model.norm.weight"
+        {
+            array.add(Array::from_f32(1.0)).expect("shift")
+        } else {
+            array
+        };
+        let name = match name.strip_prefix("model.language_model.") {
+            Some(rest) => format!("language_model.model.{rest}"),
+            None if family == "qwen3_5" && name == "lm_head.weight" => {
+                "language_model.lm_head.weight".into()
+            }
+            None => name,
+        };
+        converted.push((name, array));
+    }
+    Array::save_safetensors(
+        converted.iter().map(|(n, a)| (n.as_str(), a)),
+        None,
+        out.path().join("model.safetensors"),
+    )
+    .expect("save");
+    out
+}
+
+#[test]
+fn qwen3_next_mlx_conversion() {
+    let dir = as_mlx_conversion("qwen3_next");
+    check_dir("qwen3_next", dir.path(), " (MLX layout)");
+}
+
+#[test]
+fn qwen3_5_mlx_conversion() {
+    let dir = as_mlx_conversion("qwen3_5");
+    check_dir("qwen3_5", dir.path(), " (MLX layout)");
 }

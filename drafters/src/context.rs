@@ -98,8 +98,9 @@ impl ContextLayers {
             let out = mask.and_then(|mask| layer.forward(&x, cache, &mask));
             // The layer appended the block's keys and values; they go again (an offset
             // move) even when it failed, so the context never holds unverified positions.
-            cache.trim(cache.offset() - context);
+            let trimmed = cache.trim(cache.offset().saturating_sub(context));
             x = out?;
+            trimmed?;
         }
         Ok(x)
     }

@@ -52,6 +52,12 @@ const KEPT_ALL_TO_LOOK_AHEAD: f64 = 0.4;
 /// Weight of the newest round in that share (an exponential moving average).
 const KEPT_ALL_WEIGHT: f64 = 0.2;
 
+/// How far back the draft model's cache must be able to go after any forward, when it
+/// has recurrent layers: a round's drafts and what was drafted ahead of them (ahead is
+/// capped to it), for rounds of up to `--max-draft auto`'s 8 drafts. Longer rounds that
+/// reject early read the sequence again instead (see `Chain::restart_at`).
+const ROLLBACK_WINDOW: usize = 16;
+
 /// What the engine's thread asks of the draft thread. Every request gets one reply.
 enum Request {
     /// A new sequence: forget everything and read this prompt.
@@ -288,7 +294,8 @@ impl Chain {
         ahead: DraftAhead,
         max_new_tokens: Option<usize>,
     ) -> Self {
-        let cache = model.new_cache();
+        let mut cache = model.new_cache();
+        cache.set_rollback_window(ROLLBACK_WINDOW);
         Self {
             model,
             cache,
@@ -369,6 +376,10 @@ impl Chain {
         // drafts for the next round.
         if self.ahead != DraftAhead::Off && self.kept_all >= KEPT_ALL_TO_LOOK_AHEAD {
             self.ahead_until = want.len() + taken + 1 + k;
+            // Not further than the cache can roll back to the committed sequence.
+            if let Some(window) = self.cache.rollback_window() {
+                self.ahead_until = self.ahead_until.min(want.len() + window);
+            }
         }
         self.last_drafts = tokens.clone();
         Ok(Drafted { tokens, ready })
@@ -382,9 +393,14 @@ impl Chain {
             return Ok(());
         }
         let keep = self.keep_for(&want);
-        self.cache.trim(self.fed - keep);
-        self.fed = keep;
-        for piece in want[keep..want.len() - 1].chunks(WHOLE_BUFFER_MAX_TOKENS as usize) {
+        self.fed = self.rewind_to(keep, want.len())?;
+        let keep = self.fed;
+        let piece = match keep {
+            // Read again from the start: a prompt's reading.
+            0 => PREFILL_CHUNK,
+            _ => WHOLE_BUFFER_MAX_TOKENS as usize,
+        };
+        for piece in want[keep..want.len() - 1].chunks(piece) {
             // Only the cache is wanted: the logits stay unevaluated.
             self.model.forward(
                 &Array::from_slice(piece, &[1, piece.len() as i32]),
@@ -405,6 +421,23 @@ impl Chain {
         common_prefix(&self.host, want)
             .min(self.fed)
             .min(want.len().saturating_sub(1))
+    }
+
+    /// Moves the cache back to its first `keep` positions for a sequence of `len`
+    /// tokens, and returns how many it kept: none when a model with recurrent state
+    /// cannot go back that far (drafting ahead is capped to stay within its window; a
+    /// round longer than the window is not), which then reads the sequence again.
+    fn rewind_to(&mut self, keep: usize, len: usize) -> Result<usize> {
+        if self.fed - keep > self.cache.rollback_limit() {
+            self.cache = self.model.new_cache();
+            self.cache.set_rollback_window(ROLLBACK_WINDOW);
+            if let Some(room) = self.max_new_tokens {
+                reserve_for_generation(&mut self.cache, len + room);
+            }
+            return Ok(0);
+        }
+        self.cache.trim(self.fed - keep)?;
+        Ok(keep)
     }
 
     /// The model's logits after the committed sequence grown by `committed`, followed
@@ -433,6 +466,7 @@ impl Chain {
         self.committed = None;
         self.last_drafts.clear();
         self.cache = self.model.new_cache();
+        self.cache.set_rollback_window(ROLLBACK_WINDOW);
         if let Some(room) = self.max_new_tokens {
             reserve_for_generation(&mut self.cache, prompt.len() + room);
         }
@@ -455,7 +489,7 @@ impl Chain {
                     &[],
                 )?;
                 out.logits.eval()?;
-                self.cache.trim(2);
+                self.cache.trim(2)?;
             }
         }
         self.fed = prompt.len();
@@ -504,7 +538,7 @@ impl Chain {
         self.resolve()?;
         // At least the last token is fed again: its logits are what is asked for.
         let keep = self.keep_for(want);
-        self.cache.trim(self.fed - keep);
+        let keep = self.rewind_to(keep, want.len())?;
         self.fed = keep;
         self.host = want.to_vec();
         self.own_from = want.len();
@@ -515,6 +549,8 @@ impl Chain {
         // cache builds a cuDNN graph for it, and catching up after a run of plain steps
         // comes in every length. Only the last piece's logits are used.
         let piece = match rest.len() {
+            // Read again from the start: a prompt's reading.
+            _ if keep == 0 => PREFILL_CHUNK,
             0..=ONE_BY_ONE => 1,
             _ => WHOLE_BUFFER_MAX_TOKENS as usize,
         };
@@ -538,7 +574,7 @@ impl Chain {
                     "the draft model was asked to continue an empty sequence".into(),
                 ));
             }
-            self.cache.trim(1);
+            self.cache.trim(1)?;
             self.fed -= 1;
         }
         let last = match self.lazy.last() {

@@ -356,6 +356,7 @@ impl DSparkConfig {
             rope,
             k_eq_v: self.k_eq_v,
             v_norm: gemma.then_some(eps),
+            output_gate: false,
         };
         Ok(DecoderSpec {
             model_type: "dspark".into(),

@@ -1,12 +1,23 @@
-//! Per-layer key/value cache over a preallocated buffer. `trim(n)` only moves the
-//! write offset back, so rejecting speculative tokens costs O(1) whatever the context.
+//! A model's cache: per decoder layer either attention keys/values ([`KvCache`]) or
+//! the state of a recurrent (linear-attention) layer ([`RecurrentCache`]), behind one
+//! [`ModelCache`] that keeps the layers at one position and says how far back it can go.
+//!
+//! Rolling back is part of the contract: speculative decoding runs a draft model over
+//! tokens it drafts one by one, and the target over a block of drafts at once, then
+//! forgets the rejected ones ([`ModelCache::trim`]). Keys and values are per position,
+//! so forgetting is an offset move, O(1) whatever the context. A recurrent state mixes
+//! every position into one array and cannot be un-applied; such a layer keeps the
+//! states after its recent positions and returns to one of them. How far that reaches
+//! is [`ModelCache::rollback_limit`]; a trim beyond it is an error, never a silent
+//! partial rollback.
 
 use std::any::Any;
+use std::collections::VecDeque;
 
 use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use dspec_runtime::slicing::{slice_axis, write_axis};
 
 /// Buffers are allocated in multiples of this many positions. Deliberately not 256:
@@ -106,11 +117,18 @@ impl KvCache {
         capacity
     }
 
-    /// Forgets the last `n` positions (clamped to what is there); returns how many were dropped.
-    pub fn trim(&mut self, n: usize) -> usize {
-        let n = (n as i32).min(self.offset);
-        self.offset -= n;
-        n as usize
+    /// Forgets the last `n` positions; asking for more than the cache holds is an error
+    /// (and forgets nothing).
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if n > self.offset() {
+            return Err(ModelError::CannotRollBack {
+                asked: n,
+                held: self.offset(),
+                limit: self.offset(),
+            });
+        }
+        self.offset -= n as i32;
+        Ok(())
     }
 
     fn grow(&mut self, keys: &Array, values: &Array, needed: i32) -> Result<()> {
@@ -140,15 +158,241 @@ impl KvCache {
     }
 }
 
+/// The state of one recurrent layer (Gated DeltaNet and the like): the arrays it
+/// carries from one position to the next (say a convolution window and the
+/// recurrence's state), after the position the cache is at, and after each of a
+/// bounded window of positions before it.
+///
+/// Why states are kept, not recomputed: the alternative, a snapshot before a forward
+/// plus the recurrence's inputs, rebuilds a rolled-back state by running the kept
+/// steps again. Speculative rounds reject some drafts in most rounds, so that would
+/// add a replay to nearly every round: more graph nodes per round where a GPU decode
+/// is bound by host time, and work proportional to the tokens kept. A forward run
+/// position by position computes each state anyway; keeping them makes a rollback
+/// picking one, O(1) and exact, at the price of memory for the window
+/// (docs/hybrid-cache.md has the arithmetic and the measurements).
+pub struct RecurrentCache {
+    /// Positions consumed.
+    offset: usize,
+    /// The state after `offset` positions; empty before the first forward (the layer's
+    /// initial state, whatever the layer takes that to be).
+    current: Vec<Array>,
+    /// The states after the positions just before `offset`, oldest first: entry `i` is
+    /// the state after position `offset - kept.len() + i`.
+    kept: VecDeque<Vec<Array>>,
+    /// Most states kept besides the current one.
+    window: usize,
+    /// How many of the newest `kept` entries the latest forward made (still to be
+    /// evaluated along with its outputs; older ones already were).
+    fresh: usize,
+}
+
+impl RecurrentCache {
+    /// An empty cache that keeps up to `window` past states.
+    pub fn new(window: usize) -> Self {
+        Self {
+            offset: 0,
+            current: Vec::new(),
+            kept: VecDeque::new(),
+            window,
+            fresh: 0,
+        }
+    }
+
+    /// Positions consumed.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The state after [`RecurrentCache::offset`] positions (empty: the initial state).
+    pub fn current(&self) -> &[Array] {
+        &self.current
+    }
+
+    /// Most positions this cache keeps states for besides the current one.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// How many of the latest positions [`RecurrentCache::trim`] can forget now.
+    pub fn rollback_limit(&self) -> usize {
+        self.kept.len()
+    }
+
+    /// Keeps up to `window` past states from now on (dropping the oldest beyond it).
+    pub fn set_window(&mut self, window: usize) {
+        self.window = window;
+        while self.kept.len() > window {
+            self.kept.pop_front();
+        }
+        self.fresh = self.fresh.min(self.kept.len());
+    }
+
+    /// Records a forward of `len` positions. `states` are the states after its last
+    /// `states.len()` positions (between 1 and `len` of them), oldest first; the last is
+    /// the new current state. A forward that hands over a state per position stays
+    /// contiguous with what was kept before it; one that hands over fewer starts the
+    /// window afresh at its first state.
+    pub fn advance(&mut self, len: usize, mut states: Vec<Vec<Array>>) -> Result<()> {
+        if states.is_empty() || states.len() > len {
+            return Err(ModelError::Unsupported(format!(
+                "a recurrent layer handed over {} states for a forward of {len} positions \
+                 (between 1 and {len} expected): a bug in the model family",
+                states.len()
+            )));
+        }
+        let Some(last) = states.pop() else {
+            unreachable!("checked non-empty above");
+        };
+        if states.len() + 1 == len {
+            self.kept.push_back(std::mem::take(&mut self.current));
+        } else {
+            self.kept.clear();
+        }
+        self.fresh = states.len();
+        self.kept.extend(states);
+        self.current = last;
+        while self.kept.len() > self.window {
+            self.kept.pop_front();
+        }
+        self.fresh = self.fresh.min(self.kept.len());
+        self.offset += len;
+        Ok(())
+    }
+
+    /// Returns to the state `n` positions back; beyond [`RecurrentCache::rollback_limit`]
+    /// it is an error and nothing changes.
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if n > self.kept.len() {
+            return Err(ModelError::CannotRollBack {
+                asked: n,
+                held: self.offset,
+                limit: self.kept.len(),
+            });
+        }
+        let at = self.kept.len() - n;
+        self.kept.truncate(at + 1);
+        if let Some(state) = self.kept.pop_back() {
+            self.current = state;
+        }
+        self.offset -= n;
+        self.fresh = self.fresh.min(self.kept.len());
+        Ok(())
+    }
+
+    /// The current state and the states the latest forward added to the window.
+    pub fn state(&self) -> impl Iterator<Item = &Array> {
+        let fresh = self.kept.len() - self.fresh..;
+        self.current.iter().chain(self.kept.range(fresh).flatten())
+    }
+}
+
+/// One decoder layer's cache.
+pub enum LayerCache {
+    /// Keys and values of an attention layer.
+    Attention(KvCache),
+    /// The state of a recurrent (linear-attention) layer.
+    Recurrent(RecurrentCache),
+}
+
+impl LayerCache {
+    pub fn offset(&self) -> usize {
+        match self {
+            LayerCache::Attention(kv) => kv.offset(),
+            LayerCache::Recurrent(r) => r.offset(),
+        }
+    }
+
+    /// How many of the latest positions this layer can forget now.
+    pub fn rollback_limit(&self) -> usize {
+        match self {
+            LayerCache::Attention(kv) => kv.offset(),
+            LayerCache::Recurrent(r) => r.rollback_limit(),
+        }
+    }
+
+    /// The attention cache, or an error when this layer's cache is recurrent (a cache
+    /// made by another model).
+    pub fn kv_mut(&mut self) -> Result<&mut KvCache> {
+        match self {
+            LayerCache::Attention(kv) => Ok(kv),
+            LayerCache::Recurrent(_) => Err(ModelError::Unsupported(
+                "an attention layer got a recurrent layer's cache: the cache was made for a different model".into(),
+            )),
+        }
+    }
+
+    /// The recurrent cache, or an error when this layer's cache holds keys and values.
+    pub fn recurrent_mut(&mut self) -> Result<&mut RecurrentCache> {
+        match self {
+            LayerCache::Recurrent(r) => Ok(r),
+            LayerCache::Attention(_) => Err(ModelError::Unsupported(
+                "a recurrent layer got an attention layer's cache: the cache was made for a different model".into(),
+            )),
+        }
+    }
+
+    fn trim(&mut self, n: usize) -> Result<()> {
+        match self {
+            LayerCache::Attention(kv) => kv.trim(n),
+            LayerCache::Recurrent(r) => r.trim(n),
+        }
+    }
+
+    fn reserve(&mut self, positions: usize) {
+        if let LayerCache::Attention(kv) = self {
+            kv.reserve(positions);
+        }
+    }
+
+    /// The arrays to evaluate with a step's outputs.
+    pub fn state(&self) -> impl Iterator<Item = &Array> {
+        let (kv, recurrent) = match self {
+            LayerCache::Attention(kv) => (Some(kv), None),
+            LayerCache::Recurrent(r) => (None, Some(r)),
+        };
+        kv.into_iter()
+            .flat_map(KvCache::state)
+            .chain(recurrent.into_iter().flat_map(RecurrentCache::state))
+    }
+}
+
 /// A cache kept outside this process's Rust types, such as a dylib plugin's own cache
 /// behind an opaque handle. The engine only moves it (trim), asks where it stands
-/// (offset) and evaluates its arrays together with a step's outputs (state).
+/// (offset, rollback limit) and evaluates its arrays together with a step's outputs
+/// (state).
+///
+/// For plugin authors: a cache whose positions are independent (keys and values) can
+/// forget any number of the positions it holds, which is what the defaults of
+/// [`ExternalCache::rollback_limit`] and [`ExternalCache::rollback_window`] say. A
+/// cache with recurrent state says how far back it can go with both, and refuses a
+/// trim beyond that with [`ModelError::CannotRollBack`].
 pub trait ExternalCache: Send {
     /// Tokens currently held.
     fn offset(&self) -> usize;
 
-    /// Forgets the last `n` positions (clamped); returns how many were dropped.
-    fn trim(&mut self, n: usize) -> usize;
+    /// How many of the latest positions [`ExternalCache::trim`] can forget now.
+    /// Default: everything held.
+    fn rollback_limit(&self) -> usize {
+        self.offset()
+    }
+
+    /// How many positions back a trim can always go after any forward (once that many
+    /// are held); `None`: no bound but what is held (the default).
+    fn rollback_window(&self) -> Option<usize> {
+        None
+    }
+
+    /// The caller will roll back no more than `positions` after a forward: a cache that
+    /// keeps past states for rolling back may keep that many (and no more). Default:
+    /// nothing to do.
+    fn set_rollback_window(&mut self, _positions: usize) {}
+
+    /// Forgets exactly the last `n` positions, or fails and forgets nothing.
+    fn trim(&mut self, n: usize) -> Result<()>;
 
     /// The arrays backing the cache, as of the latest forward pass.
     fn state(&self) -> &[Array];
@@ -157,23 +401,33 @@ pub trait ExternalCache: Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
-/// The cache of a whole model: one `KvCache` per decoder layer, moved in lockstep,
-/// or an [`ExternalCache`] when the model keeps its cache itself (plugins).
+/// The cache of a whole model: one [`LayerCache`] per decoder layer, kept at one
+/// position, or an [`ExternalCache`] when the model keeps its cache itself (plugins).
 #[derive(Default)]
 pub struct ModelCache {
-    pub layers: Vec<KvCache>,
+    layers: Vec<LayerCache>,
     external: Option<Box<dyn ExternalCache>>,
 }
 
 impl ModelCache {
+    /// An attention cache for each of `num_layers` layers.
     pub fn new(num_layers: usize) -> Self {
+        Self::with_layers(
+            (0..num_layers)
+                .map(|_| LayerCache::Attention(KvCache::new()))
+                .collect(),
+        )
+    }
+
+    /// A cache of the given per-layer kinds (hybrid models: attention and recurrent).
+    pub fn with_layers(layers: Vec<LayerCache>) -> Self {
         Self {
-            layers: (0..num_layers).map(|_| KvCache::new()).collect(),
+            layers,
             external: None,
         }
     }
 
-    /// A cache the model manages itself; `layers` stays empty, so a model expecting
+    /// A cache the model manages itself; it has no layers, so a model expecting
     /// per-layer caches rejects it instead of silently running without one.
     pub fn external(cache: Box<dyn ExternalCache>) -> Self {
         Self {
@@ -190,32 +444,129 @@ impl ModelCache {
         }
     }
 
-    /// Tokens currently held (all layers agree).
+    /// Number of per-layer caches (0 for an external cache).
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn layers(&self) -> &[LayerCache] {
+        &self.layers
+    }
+
+    /// The per-layer caches, for the model's forward to write. A forward must leave
+    /// every layer at the same position ([`ModelCache::checked_offset`] checks it).
+    pub fn layers_mut(&mut self) -> &mut [LayerCache] {
+        &mut self.layers
+    }
+
+    /// Tokens currently held: what every layer holds. Should layers disagree (a forward
+    /// failed part-way), the fewest any layer holds; [`ModelCache::checked_offset`]
+    /// says so as an error.
     pub fn offset(&self) -> usize {
         match &self.external {
             Some(cache) => cache.offset(),
-            None => self.layers.first().map_or(0, KvCache::offset),
+            None => self
+                .layers
+                .iter()
+                .map(LayerCache::offset)
+                .min()
+                .unwrap_or(0),
         }
     }
 
-    /// Sizes every layer's next allocation for at least `positions` ([`KvCache::reserve`]);
-    /// an external cache manages its own memory and is left alone.
+    /// Tokens currently held, or an error when the layers disagree about it.
+    pub fn checked_offset(&self) -> Result<usize> {
+        if let Some(cache) = &self.external {
+            return Ok(cache.offset());
+        }
+        let mut offsets = self.layers.iter().map(LayerCache::offset).enumerate();
+        let Some((_, first)) = offsets.next() else {
+            return Ok(0);
+        };
+        match offsets.find(|&(_, o)| o != first) {
+            None => Ok(first),
+            Some((i, other)) => Err(ModelError::Unsupported(format!(
+                "the cache's layers disagree on the positions they hold (layer 0: {first}, \
+                 layer {i}: {other}): a forward failed part-way through; start a new cache"
+            ))),
+        }
+    }
+
+    /// How many of the latest positions [`ModelCache::trim`] can forget now: everything
+    /// held for attention layers, the kept window for recurrent ones.
+    pub fn rollback_limit(&self) -> usize {
+        match &self.external {
+            Some(cache) => cache.rollback_limit(),
+            None => self
+                .layers
+                .iter()
+                .map(LayerCache::rollback_limit)
+                .min()
+                .unwrap_or(0),
+        }
+    }
+
+    /// How many positions back a trim can always go after any forward, once that many
+    /// are held: the smallest window of the recurrent layers; `None` when nothing
+    /// bounds it but what is held (attention only).
+    pub fn rollback_window(&self) -> Option<usize> {
+        match &self.external {
+            Some(cache) => cache.rollback_window(),
+            None => self
+                .layers
+                .iter()
+                .filter_map(|l| match l {
+                    LayerCache::Recurrent(r) => Some(r.window()),
+                    LayerCache::Attention(_) => None,
+                })
+                .min(),
+        }
+    }
+
+    /// Sets how far back a trim must be able to go after any forward: recurrent layers
+    /// keep states for that many past positions (memory: a state each), no more. The
+    /// engine sets it to the most drafts a round may reject, and to 0 when it never
+    /// rolls back (plain decoding); the model's own default applies until then.
+    pub fn set_rollback_window(&mut self, positions: usize) {
+        if let Some(cache) = &mut self.external {
+            cache.set_rollback_window(positions);
+        }
+        for layer in &mut self.layers {
+            if let LayerCache::Recurrent(r) = layer {
+                r.set_window(positions);
+            }
+        }
+    }
+
+    /// Sizes every attention layer's next allocation for at least `positions`
+    /// ([`KvCache::reserve`]); recurrent state and external caches are left alone.
     pub fn reserve(&mut self, positions: usize) {
         self.layers.iter_mut().for_each(|l| l.reserve(positions));
     }
 
-    /// Drops the last `n` positions from every layer.
-    pub fn trim(&mut self, n: usize) -> usize {
-        match &mut self.external {
-            Some(cache) => cache.trim(n),
-            None => self.layers.iter_mut().map(|l| l.trim(n)).min().unwrap_or(0),
+    /// Forgets the last `n` positions in every layer. Beyond
+    /// [`ModelCache::rollback_limit`] (or with layers that disagree) it is an error
+    /// and nothing changes.
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if let Some(cache) = &mut self.external {
+            return cache.trim(n);
         }
+        let held = self.checked_offset()?;
+        let limit = self.rollback_limit();
+        if n > limit {
+            return Err(ModelError::CannotRollBack {
+                asked: n,
+                held,
+                limit,
+            });
+        }
+        self.layers.iter_mut().try_for_each(|l| l.trim(n))
     }
 
     pub fn state(&self) -> impl Iterator<Item = &Array> {
         self.layers
             .iter()
-            .flat_map(KvCache::state)
+            .flat_map(LayerCache::state)
             .chain(self.external.iter().flat_map(|cache| cache.state().iter()))
     }
 }
@@ -250,14 +601,16 @@ mod tests {
         let mut cache = KvCache::new();
         let a = kv(4, 3);
         cache.update_and_fetch(&a, &a).unwrap();
-        assert_eq!(cache.trim(2), 2);
+        cache.trim(2).unwrap();
         let b = kv(1, 4);
         let (k, _) = cache.update_and_fetch(&b, &b).unwrap();
         let kept = a.try_index((.., .., ..2)).unwrap();
         let expected = concatenate(&[kept, b], 2).unwrap();
         assert_eq!(k.shape(), &[1, 2, 3, 4]);
         assert!(k.all_close(&expected, 0.0, 0.0, None).unwrap());
-        assert_eq!(cache.trim(99), 3, "trim clamps to what is held");
+        let err = cache.trim(4).expect_err("more than is held");
+        assert!(err.to_string().contains("holds 3"), "{err}");
+        assert_eq!(cache.offset(), 3, "a refused trim forgets nothing");
     }
 
     #[test]
@@ -323,7 +676,7 @@ mod tests {
         let mut cache = KvCache::new();
         let a = kv(6, 9);
         cache.update_and_fetch(&a, &a).unwrap();
-        assert_eq!(cache.trim(2), 2);
+        cache.trim(2).unwrap();
         let b = kv(3, 10);
         let (k, v) = cache.update_and_fetch_whole(&b, &b).unwrap();
         assert_eq!(k.shape(), &[1, 2, GROWTH_STEP, 4]);
@@ -340,5 +693,150 @@ mod tests {
             .all_close(&expected, 0.0, 0.0, None)
             .unwrap());
         assert_eq!(cache.offset(), 7);
+    }
+
+    /// A stand-in state: one scalar array holding the position it is the state after.
+    fn at(position: usize) -> Vec<Array> {
+        vec![Array::from_int(position as i32)]
+    }
+
+    fn position_of(cache: &RecurrentCache) -> Option<i32> {
+        cache.current().first().map(|a| a.item_cast::<i32>())
+    }
+
+    /// Forwards of one position each and a forward with a state per position keep a
+    /// contiguous window; a trim returns to the state after the position it lands on.
+    #[test]
+    fn a_recurrent_cache_returns_to_kept_states() {
+        let mut cache = RecurrentCache::new(4);
+        assert_eq!((cache.offset(), cache.rollback_limit()), (0, 0));
+        cache.advance(1, vec![at(1)]).unwrap();
+        assert_eq!(cache.rollback_limit(), 1, "back to the initial state");
+        cache.advance(3, vec![at(2), at(3), at(4)]).unwrap();
+        assert_eq!((cache.offset(), cache.rollback_limit()), (4, 4));
+        cache.advance(1, vec![at(5)]).unwrap();
+        assert_eq!(cache.rollback_limit(), 4, "the window bounds it");
+        cache.trim(3).unwrap();
+        assert_eq!((cache.offset(), position_of(&cache)), (2, Some(2)));
+        assert_eq!(cache.rollback_limit(), 1);
+        cache.trim(1).unwrap();
+        assert_eq!(position_of(&cache), Some(1));
+        assert!(
+            cache.trim(1).is_err(),
+            "the initial state fell out of the window"
+        );
+
+        let mut cache = RecurrentCache::new(4);
+        cache.advance(2, vec![at(1), at(2)]).unwrap();
+        cache.trim(2).unwrap();
+        assert_eq!(
+            (cache.offset(), position_of(&cache)),
+            (0, None),
+            "the initial state"
+        );
+    }
+
+    /// A forward that hands over fewer states than positions (a long prefill keeping its
+    /// tail) can be rolled back through those only, and a trim past that fails and
+    /// changes nothing.
+    #[test]
+    fn a_trim_past_the_kept_states_is_an_error() {
+        let mut cache = RecurrentCache::new(8);
+        cache.advance(2, vec![at(1), at(2)]).unwrap();
+        cache
+            .advance(10, vec![at(9), at(10), at(11), at(12)])
+            .unwrap();
+        assert_eq!((cache.offset(), cache.rollback_limit()), (12, 3));
+        let err = cache.trim(4).expect_err("past the kept states");
+        assert!(
+            matches!(
+                err,
+                ModelError::CannotRollBack {
+                    asked: 4,
+                    held: 12,
+                    limit: 3
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("at most 3"), "{err}");
+        assert_eq!((cache.offset(), position_of(&cache)), (12, Some(12)));
+        cache.trim(3).unwrap();
+        assert_eq!(position_of(&cache), Some(9));
+        assert!(cache.advance(2, vec![]).is_err(), "no state at all");
+        assert!(
+            cache.advance(1, vec![at(1), at(2)]).is_err(),
+            "more states than positions"
+        );
+    }
+
+    /// Only the current state and the states the latest forward made are evaluated with
+    /// a step: older ones already were.
+    #[test]
+    fn a_recurrent_cache_hands_over_only_new_states_for_evaluation() {
+        let mut cache = RecurrentCache::new(8);
+        cache.advance(3, vec![at(1), at(2), at(3)]).unwrap();
+        assert_eq!(cache.state().count(), 3);
+        cache.advance(1, vec![at(4)]).unwrap();
+        assert_eq!(cache.state().count(), 1);
+        cache.trim(2).unwrap();
+        assert_eq!(cache.state().count(), 1);
+    }
+
+    /// A hybrid model's cache: the offset is the layers' common one (checked), the
+    /// rollback limit the smallest any layer allows, and a trim past it is an error that
+    /// leaves every layer where it was.
+    #[test]
+    fn a_hybrid_model_cache_moves_its_layers_together() {
+        let mut cache = ModelCache::with_layers(vec![
+            LayerCache::Recurrent(RecurrentCache::new(2)),
+            LayerCache::Attention(KvCache::new()),
+        ]);
+        assert_eq!(cache.rollback_window(), Some(2));
+        assert_eq!(ModelCache::new(2).rollback_window(), None);
+        cache.set_rollback_window(3);
+        assert_eq!(cache.rollback_window(), Some(3));
+        cache.set_rollback_window(2);
+        let write = |cache: &mut ModelCache, from: usize, len: usize| {
+            let layers = cache.layers_mut();
+            let states = (from + 1..=from + len).map(at).collect();
+            layers[0]
+                .recurrent_mut()
+                .unwrap()
+                .advance(len, states)
+                .unwrap();
+            let a = kv(len as i32, from as u64);
+            layers[1]
+                .kv_mut()
+                .unwrap()
+                .update_and_fetch(&a, &a)
+                .unwrap();
+        };
+        write(&mut cache, 0, 3);
+        write(&mut cache, 3, 1);
+        assert_eq!(cache.checked_offset().unwrap(), 4);
+        assert_eq!(cache.rollback_limit(), 2);
+        let err = cache.trim(3).expect_err("past the recurrent window");
+        assert!(err.to_string().contains("at most 2"), "{err}");
+        assert_eq!(cache.checked_offset().unwrap(), 4, "nothing moved");
+        cache.trim(2).unwrap();
+        assert_eq!(cache.checked_offset().unwrap(), 2);
+        assert_eq!(cache.state().count(), 3, "state, keys, values");
+
+        // A forward that stopped part-way leaves layers apart: named, not hidden.
+        let a = kv(1, 9);
+        cache.layers_mut()[1]
+            .kv_mut()
+            .unwrap()
+            .update_and_fetch(&a, &a)
+            .unwrap();
+        assert_eq!(cache.offset(), 2, "the fewest any layer holds");
+        let err = cache.checked_offset().expect_err("layers disagree");
+        assert!(err.to_string().contains("layer 1: 3"), "{err}");
+        assert!(cache.trim(1).is_err());
+        assert!(
+            cache.layers_mut()[0].kv_mut().is_err(),
+            "a recurrent layer's cache is not an attention cache"
+        );
     }
 }

@@ -1,5 +1,6 @@
 //! One checker every `TargetModel` must pass (built-in families and plugins alike):
-//! caching, trimming and taps must not change what the model computes.
+//! caching, rolling back (within what the cache says it can) and taps must not change
+//! what the model computes, and a rollback past that must fail.
 //!
 //! Tolerance: logits and hidden states are compared with |a−b| ≤ 1e-4 + 1e-4·max|b|
 //! (f32 weights on MLX's CPU backend; the one-token and multi-token attention paths
@@ -159,18 +160,51 @@ pub fn check_target_model(model: &dyn TargetModel) -> Result<(), String> {
         "incremental taps vs single forward",
     )?;
 
+    // After a forward the cache can go back as far as its window reaches (everything
+    // held when nothing bounds it), and a trim past that fails and forgets nothing.
+    let mut cache = model.new_cache();
+    run(model, &mut cache, &tokens, &[])?;
+    let limit = cache.rollback_limit();
+    let window = cache.rollback_window();
+    if limit < n.min(window.unwrap_or(n)) {
+        return Err(format!(
+            "after a {n}-token forward the cache can go back {limit} positions, less than \
+             its rollback window ({window:?}) promises"
+        ));
+    }
+    if limit < n {
+        if cache.trim(limit + 1).is_ok() {
+            return Err(format!(
+                "trim({}) succeeded past the rollback limit {limit}",
+                limit + 1
+            ));
+        }
+        if cache.offset() != n {
+            return Err(format!(
+                "a refused trim changed the cache: it holds {} positions, not {n}",
+                cache.offset()
+            ));
+        }
+    }
+    if cache.trim(n + 1).is_ok() {
+        return Err(format!(
+            "trim({}) succeeded on a cache of {n} positions",
+            n + 1
+        ));
+    }
+
     // Trim then replay different tokens == never having seen the trimmed ones.
-    let keep = 7;
+    let keep = n - (n - 7).min(limit);
     let alt: Vec<u32> = tokens[keep..]
         .iter()
         .map(|t| (t + 1) % info.vocab_size as u32)
         .collect();
-    let mut cache = model.new_cache();
-    run(model, &mut cache, &tokens, &[])?;
-    let trimmed = cache.trim(n - keep);
-    if trimmed != n - keep || cache.offset() != keep {
+    cache
+        .trim(n - keep)
+        .map_err(|e| fail(&format!("trim({})", n - keep), e))?;
+    if cache.offset() != keep {
         return Err(format!(
-            "trim({}) dropped {trimmed}, cache holds {}",
+            "trim({}) left the cache holding {} positions, not {keep}",
             n - keep,
             cache.offset()
         ));
@@ -188,5 +222,69 @@ pub fn check_target_model(model: &dyn TargetModel) -> Result<(), String> {
         &fresh_tail,
         "logits after trim+replay vs a fresh forward",
     )?;
+
+    check_rollback_inside_blocks(model, &tokens, window)
+}
+
+/// Rolling back inside a block of positions, whether it came one token per forward (a
+/// draft model drafting) or in one forward (a verify), to each of its positions, then
+/// feeding a token other than the one that was there, equals never having gone past
+/// that position.
+fn check_rollback_inside_blocks(
+    model: &dyn TargetModel,
+    tokens: &[u32],
+    window: Option<usize>,
+) -> Result<(), String> {
+    let vocab = model.info().vocab_size as u32;
+    let prefix = 5;
+    let block = window.unwrap_or(4).min(4);
+    // Logits after `tokens[..p]` and then a different token, for each p of the block.
+    let mut expected = Vec::new();
+    for p in prefix..=prefix + block {
+        let mut seq = tokens[..p].to_vec();
+        seq.push((tokens[p] + 1) % vocab);
+        let (logits, _) = run(model, &mut model.new_cache(), &seq, &[])?;
+        let last = logits
+            .try_index((.., p as i32..))
+            .map_err(|e| fail("slice", e))?;
+        expected.push(last);
+    }
+    for one_at_a_time in [true, false] {
+        let how = if one_at_a_time {
+            "one token per forward"
+        } else {
+            "one forward"
+        };
+        for back in 0..=block {
+            let mut cache = model.new_cache();
+            run(model, &mut cache, &tokens[..prefix], &[])?;
+            let drafted = &tokens[prefix..prefix + block];
+            if one_at_a_time {
+                for &t in drafted {
+                    run(model, &mut cache, &[t], &[])?;
+                }
+            } else {
+                run(model, &mut cache, drafted, &[])?;
+            }
+            cache
+                .trim(back)
+                .map_err(|e| fail(&format!("a block of {block} in {how}, trim({back})"), e))?;
+            let p = prefix + block - back;
+            if cache.offset() != p {
+                return Err(format!(
+                    "a block of {block} in {how}, trim({back}): the cache holds {} positions, not {p}",
+                    cache.offset()
+                ));
+            }
+            let (logits, _) = run(model, &mut cache, &[(tokens[p] + 1) % vocab], &[])?;
+            compare(
+                &logits,
+                &expected[p - prefix],
+                &format!(
+                    "a block of {block} in {how}, rolled back {back}: logits vs a fresh forward"
+                ),
+            )?;
+        }
+    }
     Ok(())
 }

@@ -49,6 +49,17 @@ pub enum ModelError {
     Unsupported(String),
 
     #[error(
+        "cannot roll the cache back {asked} positions: it holds {held} and can go back at most \
+         {limit} (layers with recurrent state keep their states for a bounded window of recent \
+         positions); trim no more than that, or start a new cache and run the sequence again"
+    )]
+    CannotRollBack {
+        asked: usize,
+        held: usize,
+        limit: usize,
+    },
+
+    #[error(
         "no adapter for model_type `{model_type}` (from {path}).\nRegistered model types: {registered}.\n\
          To add one, write a family file in adapters/src/ (copy the closest one) or load a plugin with --plugin."
     )]

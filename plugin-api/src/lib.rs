@@ -1,7 +1,8 @@
 //! The contract between dspec's engine and what plugs into it: the `TargetModel` trait
-//! a model family implements, the KV cache it writes, the `WeightSource` it loads its
-//! tensors through, the `Drafter` trait, the registries both kinds join, the C ABI of
-//! dylib plugins, and the conformance checker every `TargetModel` must pass.
+//! a model family implements, the cache it writes (keys and values, or recurrent
+//! state) and rolls back, the `WeightSource` it loads its tensors through, the
+//! `Drafter` trait, the registries both kinds join, the C ABI of dylib plugins, and
+//! the conformance checker every `TargetModel` must pass.
 //!
 //! Built-in families (crate `dspec-adapters`) and external plugins implement these;
 //! the engine only ever talks to a `Box<dyn TargetModel>`. External plugins cross a
@@ -18,7 +19,7 @@ pub mod registry;
 pub mod target;
 pub mod weights;
 
-pub use cache::{ExternalCache, KvCache, ModelCache};
+pub use cache::{ExternalCache, KvCache, LayerCache, ModelCache, RecurrentCache};
 pub use drafter::{
     detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Draft, DraftAhead, Drafter,
     DrafterLoadRequest, DrafterOptions, DrafterRegistration, Picked, TokenPicker,

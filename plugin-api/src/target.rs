@@ -64,8 +64,9 @@ pub trait TargetModel: Send {
 }
 
 /// Checks `forward`'s arguments for a model of `num_layers` decoder layers: tokens of
-/// shape `[1, L>0]` and an integer dtype, tap ids in range, a cache made for this model.
-/// Every family's `forward` starts with it, so bad calls fail alike everywhere.
+/// shape `[1, L>0]` and an integer dtype, tap ids in range, a cache made for this model
+/// whose layers all hold the same positions. Every family's `forward` starts with it,
+/// so bad calls fail alike everywhere.
 pub fn check_forward_args(
     tokens: &Array,
     cache: &ModelCache,
@@ -92,11 +93,12 @@ pub fn check_forward_args(
             "tap layer {bad} out of range: the model has {num_layers} layers"
         )));
     }
-    if cache.layers.len() != num_layers {
+    if cache.num_layers() != num_layers {
         return Err(ModelError::Unsupported(
             "cache was made for a different model".into(),
         ));
     }
+    cache.checked_offset()?;
     Ok(())
 }
 

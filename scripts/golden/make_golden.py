@@ -53,8 +53,39 @@ BASE = dict(
     max_position_embeddings=256,
 )
 
+# The hybrid families' shape: a Gated DeltaNet layer first and last, gated full
+# attention between; 2 key heads of 8 over 4 value heads of 8, a convolution of 4.
+HYBRID = dict(
+    num_hidden_layers=3,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000.0, partial_rotary_factor=0.25),
+)
+
+# A vision tower as small as Qwen3_5Config allows: the checkpoint must carry one to be a
+# released-style Qwen3.5, and dspec ignores it.
+TINY_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    patch_size=2,
+    temporal_patch_size=2,
+    spatial_merge_size=1,
+    out_hidden_size=32,
+    num_position_embeddings=16,
+)
+
 # family (dspec's adapter file) -> (config class, config overrides, norms stored as w
-# in `x̂ · (1 + w)`). Each comment names the features the config switches on.
+# in `x̂ · (1 + w)`[, model class when not AutoModelForCausalLM's choice]). Each comment
+# names the features the config switches on. Overrides with a `text_config` are the
+# whole config (BASE goes inside it).
 FAMILIES = {
     # Biases on attention and MLP, llama3 rope scaling whose low-frequency band starts
     # inside a 12-token context, untied head.
@@ -196,6 +227,33 @@ FAMILIES = {
         ),
         False,
     ),
+    # Hybrid linear attention (dense Qwen3-Next): Gated DeltaNet layers around a gated
+    # full-attention layer (q/k norms, a quarter of each head rotated), projections fused
+    # per key head (in_proj_qkvz, in_proj_ba), two value heads per key head.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(**HYBRID, num_experts=0),
+        True,
+    ),
+    # The same hybrid as Qwen3.5 releases it: the text model nested under text_config
+    # beside a (tiny, unused) vision tower, tensors under model.language_model., separate
+    # in_proj_qkv/z/b/a, multimodal rotary sections (text positions rotate as plain
+    # RoPE).
+    "qwen3_5": (
+        "Qwen3_5Config",
+        dict(
+            text_config={
+                **BASE,
+                **HYBRID,
+                "rope_parameters": dict(
+                    HYBRID["rope_parameters"], mrope_section=[1, 1, 0], mrope_interleaved=True
+                ),
+            },
+            vision_config=TINY_VISION,
+        ),
+        True,
+        "Qwen3_5ForConditionalGeneration",
+    ),
 }
 
 
@@ -214,10 +272,24 @@ def randomize(model, seed, offset_norms):
 
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if ".visual." in name:
+                # A vision tower dspec does not load: transformers' seeded init will do.
+                continue
             if name.endswith("embed_tokens.weight"):
                 p.copy_(normal(p.shape, 1.0))
             elif p.ndim == 2:
                 p.copy_(normal(p.shape, 1.0 / math.sqrt(p.shape[1])))
+            elif name.endswith("conv1d.weight"):
+                # Depthwise [channels, 1, kernel].
+                p.copy_(normal(p.shape, 1.0 / math.sqrt(p.shape[-1])))
+            elif name.endswith("A_log"):
+                # Decay rates exp(A_log) around 0.4: states keep a few positions' worth.
+                p.copy_(normal(p.shape, 0.5, -1.0))
+            elif name.endswith("dt_bias"):
+                p.copy_(normal(p.shape, 0.5))
+            elif name.endswith("linear_attn.norm.weight"):
+                # The gated output norm scales plainly, in every family.
+                p.copy_(normal(p.shape, 0.3, 1.0))
             elif "norm" in name:
                 # Stored w of `x̂ · (1 + w)`, or the plain scale around 1.
                 p.copy_(normal(p.shape, 0.3, 0.0 if offset_norms else 1.0))
@@ -236,13 +308,18 @@ def rounded(x):
 
 
 def make(family, out_root):
-    config_class, overrides, offset_norms = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**BASE, **overrides})
+    config_class, overrides, offset_norms, *model_class = FAMILIES[family]
+    nested = "text_config" in overrides
+    config = getattr(transformers, config_class)(**(overrides if nested else {**BASE, **overrides}))
     # Plain matmul-softmax attention: the reference is the textbook computation, not a
     # fused kernel.
     config._attn_implementation = "eager"
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model_class = getattr(transformers, model_class[0]) if model_class else AutoModelForCausalLM
+    if model_class is AutoModelForCausalLM:
+        model = model_class.from_config(config, dtype=torch.float32)
+    else:
+        model = model_class(config).to(torch.float32)
     randomize(model, SEED, offset_norms)
 
     out = out_root / family
@@ -255,7 +332,7 @@ def make(family, out_root):
 
     # The expected logits come from the checkpoint as saved, read back by transformers:
     # what dspec is compared with is exactly what the directory holds.
-    reloaded = AutoModelForCausalLM.from_pretrained(
+    reloaded = model_class.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     with torch.no_grad():

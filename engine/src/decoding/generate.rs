@@ -273,6 +273,8 @@ pub fn generate(
     let mut sampler = (!config.sampling.is_greedy()).then(|| Sampler::new(config.sampling.clone()));
     let mut sink = TextSink::new(tokenizer, &config.stop_strings, on_text);
     let mut cache = model.new_cache();
+    // Plain decoding never rolls back: no past states to keep for recurrent layers.
+    cache.set_rollback_window(0);
     let mut tokens = Vec::new();
 
     let start = Instant::now();

@@ -266,7 +266,7 @@ impl Rounds<'_, '_> {
             Some(s) => accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?,
         };
         let verify_elapsed = t.elapsed();
-        self.cache.trim(draft.tokens.len() - accepted);
+        self.cache.trim(draft.tokens.len() - accepted)?;
         let hidden = match &out.hidden {
             Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
             None => None,
@@ -452,6 +452,21 @@ pub fn generate_speculative(
         &mut cache,
         (prompt.len() + config.max_tokens).min(context_limit),
     );
+    // A round forgets the drafts the target rejects: a cache with recurrent state keeps
+    // the states to return to for that many positions, and a cache that keeps a fixed
+    // window (a plugin's) bounds the drafts a round may make.
+    cache.set_rollback_window(max_draft);
+    let max_draft = match cache.rollback_window() {
+        Some(0) => {
+            return Err(EngineError::Invalid(
+                "the target's cache cannot roll back a single position, which speculative \
+                 decoding needs; decode without a drafter"
+                    .into(),
+            ))
+        }
+        Some(window) => max_draft.min(window),
+        None => max_draft,
+    };
 
     let start = Instant::now();
     // The drafter reads the prompt too (a draft model prefills its own cache): that is

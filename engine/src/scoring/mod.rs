@@ -508,6 +508,8 @@ impl Scorer {
     /// `log p(tokens[j + 1] | tokens[..=j])` for every `j`, from a fresh cache.
     fn window_logprobs(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         let mut cache = self.model.new_cache();
+        // Scoring never rolls back: recurrent layers need keep no past states.
+        cache.set_rollback_window(0);
         let inputs = &tokens[..tokens.len() - 1];
         let mut out = Vec::with_capacity(inputs.len());
         for (i, chunk) in inputs.chunks(FORWARD_CHUNK).enumerate() {
@@ -524,6 +526,7 @@ impl Scorer {
     /// Log-probabilities over the vocabulary of the token after `context`.
     fn next_logprobs(&mut self, context: &[u32]) -> Result<Vec<f32>, EngineError> {
         let mut cache = self.model.new_cache();
+        cache.set_rollback_window(0);
         let mut last = None;
         for chunk in context.chunks(FORWARD_CHUNK) {
             let logits = self.forward(chunk, &mut cache)?;

@@ -239,11 +239,11 @@ impl TargetModel for Phi3 {
         let mask = attention_mask(cache.offset() as i32, tokens.shape()[1], None)?;
         let mut h = self.embed(tokens)?;
         let mut tapped = TapCollector::new(taps, self.layers.len());
-        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate()
-        {
-            let attn = layer
-                .attn
-                .forward(&layer.input_norm.forward(&h)?, layer_cache, &mask)?;
+        for (i, (layer, layer_cache)) in self.layers.iter().zip(cache.layers_mut()).enumerate() {
+            let attn =
+                layer
+                    .attn
+                    .forward(&layer.input_norm.forward(&h)?, layer_cache.kv_mut()?, &mask)?;
             let x = h.add(attn)?;
             h = x.add(layer.mlp.forward(&layer.post_attn_norm.forward(&x)?)?)?;
             tapped.offer(i, &h);

@@ -150,7 +150,14 @@ pub type FreeCacheFn = unsafe extern "C" fn(cache: CacheHandle);
 /// Tokens the cache holds.
 pub type CacheOffsetFn =
     unsafe extern "C" fn(cache: CacheHandle, out: *mut usize, error: ErrorOut) -> Status;
-/// Forgets the last `n` positions (clamped); `*out_trimmed` = how many were dropped.
+/// Forgets the last `n` positions; `*out_trimmed` = how many were dropped. The host
+/// asks for no more than the cache holds and counts anything but `n` dropped as a
+/// failure. A cache that cannot go back `n` positions (recurrent state keeps only a
+/// window of past states) fails the call with `STATUS_ERROR` and a message saying how
+/// far it can go, and drops nothing. This ABI has no call asking how far back a cache
+/// can go: the host learns it from that failure, which ends the generation with the
+/// plugin's message (the shims of `export_plugin!` do all this through
+/// `ModelCache::trim`).
 pub type CacheTrimFn = unsafe extern "C" fn(
     cache: CacheHandle,
     n: usize,

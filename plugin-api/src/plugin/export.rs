@@ -247,8 +247,8 @@ unsafe extern "C" fn cache_trim(
         if out_trimmed.is_null() {
             return Err("NULL output pointer".into());
         }
-        let trimmed = cache_mut(cache)?.trim(n);
-        write(out_trimmed, trimmed)
+        cache_mut(cache)?.trim(n).map_err(text)?;
+        write(out_trimmed, n)
     })
 }
 

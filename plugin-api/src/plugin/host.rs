@@ -564,8 +564,8 @@ struct PluginCache {
     /// How many state arrays to expect before the first forward (keys and values per
     /// layer); only sizes the first buffer, a wrong guess costs one more call.
     state_hint: usize,
-    /// A failure that the `ModelCache` interface could not return (from `new_cache`
-    /// or `trim`); the next forward reports it.
+    /// A failure that `TargetModel::new_cache` could not return; the next call that
+    /// uses the cache reports it.
     failure: Option<String>,
 }
 
@@ -628,26 +628,37 @@ impl ExternalCache for PluginCache {
         self.offset
     }
 
-    fn trim(&mut self, n: usize) -> usize {
-        if self.failure.is_some() {
-            return 0;
+    // `rollback_limit` and `rollback_window` keep their defaults (everything held):
+    // ABI v1 has no call to ask the plugin, whose `cache_trim` fails a trim it cannot
+    // honour instead (see `CacheTrimFn`).
+
+    fn trim(&mut self, n: usize) -> Result<()> {
+        self.check()?;
+        if n > self.offset {
+            return Err(ModelError::CannotRollBack {
+                asked: n,
+                held: self.offset,
+                limit: self.offset,
+            });
         }
         let table = &self.model.library.table;
         let mut trimmed = 0usize;
-        let result = self.model.call("cache_trim", |error| unsafe {
+        self.model.call("cache_trim", |error| unsafe {
             (table.cache_trim)(self.handle, n, &mut trimmed, error)
-        });
-        match result {
-            Ok(()) => {
-                let trimmed = trimmed.min(self.offset);
-                self.offset -= trimmed;
-                trimmed
-            }
-            Err(e) => {
-                self.failure = Some(e.to_string());
-                0
-            }
+        })?;
+        let trimmed = trimmed.min(self.offset);
+        self.offset -= trimmed;
+        if trimmed != n {
+            return Err(plugin_error(
+                &self.model.library.path,
+                format!(
+                    "cache_trim: asked to forget {n} positions, the plugin forgot {trimmed}; \
+                     its cache now holds {} positions",
+                    self.offset
+                ),
+            ));
         }
+        Ok(())
     }
 
     fn state(&self) -> &[Array] {
@@ -666,6 +677,7 @@ mod tests {
     use mlx_rs::ops::zeros;
 
     use super::*;
+    use crate::cache::{KvCache, LayerCache, RecurrentCache};
     use crate::plugin::abi::PluginFunctions;
     use crate::plugin::export::{descriptor, functions, PluginExport, StaticDescriptor};
     use crate::target::LoadOptions;
@@ -685,7 +697,11 @@ mod tests {
         }
 
         fn new_cache(&self) -> ModelCache {
-            ModelCache::new(1)
+            // Keys and values, and a recurrent state that goes back two positions at most.
+            ModelCache::with_layers(vec![
+                LayerCache::Attention(KvCache::new()),
+                LayerCache::Recurrent(RecurrentCache::new(2)),
+            ])
         }
 
         fn forward(
@@ -703,7 +719,14 @@ mod tests {
             }
             let len = tokens.shape()[1];
             let kv = zeros::<f32>(&[1, 1, len, 2])?;
-            cache.layers[0].update_and_fetch(&kv, &kv)?;
+            cache.layers_mut()[0].kv_mut()?.update_and_fetch(&kv, &kv)?;
+            let mut states = Vec::new();
+            for _ in 0..len {
+                states.push(vec![zeros::<f32>(&[1])?]);
+            }
+            cache.layers_mut()[1]
+                .recurrent_mut()?
+                .advance(len as usize, states)?;
             let hidden = if taps.is_empty() {
                 None
             } else {
@@ -799,12 +822,29 @@ mod tests {
             Some(vec![1, 3, HIDDEN])
         );
         assert_eq!(cache.offset(), 3);
-        assert_eq!(cache.state().count(), 2, "keys and values of the one layer");
-        assert_eq!(cache.trim(2), 2);
+        assert_eq!(
+            cache.state().count(),
+            5,
+            "keys, values, the recurrent state and the two kept before it"
+        );
+        cache.trim(2).unwrap();
         assert_eq!(cache.offset(), 1);
+        // Past what is held: refused on the host side, nothing forgotten.
+        assert!(cache.trim(2).is_err());
+        assert_eq!(cache.offset(), 1);
+        // Held, but past the plugin's recurrent window: the plugin refuses, and says
+        // how far it could go.
+        model.forward(&ids(&[4, 5, 6]), &mut cache, &[]).unwrap();
+        let err = cache.trim(3).expect_err("past the window").to_string();
+        assert!(
+            err.contains("cache_trim") && err.contains("at most 2"),
+            "{err}"
+        );
+        assert_eq!(cache.offset(), 4, "nothing forgotten");
+        cache.trim(2).unwrap();
         let out = model.forward(&ids(&[4]), &mut cache, &[]).unwrap();
         assert!(out.hidden.is_none());
-        assert_eq!(cache.offset(), 2);
+        assert_eq!(cache.offset(), 3);
         // Arrays handed over stay valid after the model and its cache are gone.
         let embedded = model.embed(&ids(&[1, 2])).unwrap();
         drop(cache);

@@ -1,0 +1,71 @@
+//! Qwen3-Next (dense): the hybrid decoder (hybrid.rs) with Gated DeltaNet projections
+//! fused per key head (`in_proj_qkvz`, `in_proj_ba`). Mixture-of-experts MLPs, which
+//! every released Qwen3-Next has, are refused with a message until they are implemented.
+
+use std::path::Path;
+
+use dspec_plugin_api::error::Result;
+use dspec_plugin_api::{AdapterRegistration, LoadRequest, TargetModel, WeightSource};
+
+use crate::config::{parse_config, FamilyBuilder};
+use crate::gated_delta::ProjectionLayout;
+use crate::hybrid::{HybridConfig, HybridDecoder, HybridSpec};
+use crate::weights::ProgressWeights;
+
+/// HF's `Qwen3NextConfig` defaults to 512 experts when the config names none.
+const DEFAULT_EXPERTS: i32 = 512;
+
+fn spec(config: &serde_json::Value, dir: &Path) -> Result<HybridSpec> {
+    let cfg: HybridConfig = parse_config(config, dir)?;
+    cfg.spec(
+        "qwen3_next",
+        &dir.join("config.json"),
+        ProjectionLayout::GroupedByKeyHead,
+        DEFAULT_EXPERTS,
+    )
+}
+
+fn build(
+    config: &serde_json::Value,
+    dir: &Path,
+    weights: &mut dyn WeightSource,
+) -> Result<Box<dyn TargetModel>> {
+    Ok(Box::new(HybridDecoder::load(spec(config, dir)?, weights)?))
+}
+
+fn load(req: &LoadRequest) -> Result<Box<dyn TargetModel>> {
+    let spec = spec(req.config, req.dir)?;
+    Ok(Box::new(HybridDecoder::load(
+        spec,
+        &mut ProgressWeights::open(req)?,
+    )?))
+}
+
+inventory::submit! {
+    AdapterRegistration {
+        name: "qwen3_next",
+        model_types: &["qwen3_next"],
+        aliases: &[],
+        architectures: &["Qwen3NextForCausalLM"],
+        load,
+    }
+}
+
+inventory::submit! {
+    FamilyBuilder { model_type: "qwen3_next", build }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::fixtures::{
+        check_family, with, TINY_LLAMA, TINY_QWEN3_5_OVERRIDES, TINY_QWEN3_NEXT_OVERRIDES,
+    };
+
+    #[test]
+    fn tiny_qwen3_next_conforms() {
+        check_family(&with(
+            &with(TINY_LLAMA, TINY_QWEN3_5_OVERRIDES),
+            TINY_QWEN3_NEXT_OVERRIDES,
+        ));
+    }
+}
