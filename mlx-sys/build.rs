@@ -6,7 +6,8 @@
 //! 2. BLAS (Linux, wheel only): OpenBLAS substituted for the wheel's reference BLAS
 //!    when Debian's `libopenblas0-pthread` is present (`MLX_SYS_BLAS=wheel|openblas`).
 //! 3. mlx-c sources: from the upstream `mlx-sys` 0.7.0 crate, fetched by cargo itself.
-//! 4. Compile mlx-c with the `cc` crate plus three portability fixes (see `shim/`).
+//! 4. Compile mlx-c with the `cc` crate plus three portability fixes (see `shim/`);
+//!    not for a `cargo clippy` run, which never links (see `lint_only`).
 //! 5. Bindings with bindgen; `cargo:libdir` tells dependents where libmlx lives so
 //!    their executables get a RUNPATH (see `build/runpath.rs` at the workspace root).
 
@@ -46,6 +47,7 @@ fn run() -> Result<(), BuildError> {
         "MLX_SYS_CACHE_DIR",
         "MLX_C_SRC",
         "PYTHON",
+        "RUSTC_WORKSPACE_WRAPPER",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -65,7 +67,9 @@ fn run() -> Result<(), BuildError> {
     let mlx_c = locate_mlx_c_sources(&out_dir)?;
     // mlx-c declares its half types only on ARM; elsewhere we provide MLX's own.
     let needs_half_shim = target_arch != "aarch64";
-    compile_mlx_c(&mlx_c, &mlx.include_dir, &shim, needs_half_shim)?;
+    if !lint_only() {
+        compile_mlx_c(&mlx_c, &mlx.include_dir, &shim, needs_half_shim)?;
+    }
     generate_bindings(&mlx_c, &shim, needs_half_shim, &out_dir)?;
 
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
@@ -83,6 +87,18 @@ fn run() -> Result<(), BuildError> {
     println!("cargo:rustc-env=MLX_SYS_LIBDIR={}", lib_dir.display());
     println!("cargo:rustc-env=MLX_SYS_BLAS={blas}");
     Ok(())
+}
+
+/// Whether this run only serves `cargo clippy`. Clippy type-checks mlx-sys and never
+/// links it, and cargo gives a clippy run its own copy of this script's output (the
+/// workspace wrapper is part of a member's artifact hash), so compiling mlx-c here would
+/// only repeat the C++ build that `cargo build` and `cargo test` do, a minute or more on
+/// two cores. Bindings are still generated: type-checking needs them. Were a build
+/// script or proc-macro ever to link mlx-sys, clippy would then fail to link it.
+fn lint_only() -> bool {
+    env::var_os("RUSTC_WORKSPACE_WRAPPER")
+        .map(PathBuf::from)
+        .is_some_and(|wrapper| wrapper.file_stem().is_some_and(|s| s == "clippy-driver"))
 }
 
 struct MlxInstall {

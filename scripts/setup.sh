@@ -2,8 +2,17 @@
 # Installs what building dspec needs on a Debian/Ubuntu machine, once: a C++ compiler
 # (mlx-c), libclang (bindgen), pip (fetches the pinned MLX wheel at build time) and
 # OpenBLAS (a much faster CPU BLAS than the wheel's bundled reference BLAS; the build
-# uses it when present). Safe to re-run: installs only what is missing.
+# uses it when present). With --lint, also rustfmt and clippy (through rustup), which
+# scripts/test.sh runs before the tests. Safe to re-run: installs only what is missing.
 set -euo pipefail
+
+lint=false
+for arg in "$@"; do
+  case "$arg" in
+    --lint) lint=true ;;
+    *) echo "setup: unknown option $arg (known: --lint)" >&2; exit 2 ;;
+  esac
+done
 
 need=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
@@ -25,3 +34,21 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 command -v cargo >/dev/null 2>&1 || { echo "setup: Rust (cargo) is required: https://rustup.rs" >&2; exit 1; }
+
+if $lint; then
+  tools=()
+  cargo fmt --version >/dev/null 2>&1 || tools+=(rustfmt)
+  cargo clippy --version >/dev/null 2>&1 || tools+=(clippy)
+  if [ ${#tools[@]} -gt 0 ]; then
+    if ! command -v rustup >/dev/null 2>&1; then
+      echo "setup: the lint checks need cargo's ${tools[*]}, and there is no rustup to add them:" \
+        "install them from wherever this cargo came from (they ship with each Rust release)" >&2
+      exit 1
+    fi
+    echo "setup: adding ${tools[*]} (rustup component add)" >&2
+    rustup component add "${tools[@]}" || {
+      echo "setup: rustup could not add ${tools[*]} (see above); run \`rustup component add ${tools[*]}\` once with network access" >&2
+      exit 1
+    }
+  fi
+fi

@@ -13,6 +13,7 @@ use std::path::Path;
 
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
+use serde::Deserialize;
 
 use dspec_adapters::attention::AttentionSpec;
 use dspec_adapters::config::{parse_config, CommonConfig};
@@ -78,11 +79,101 @@ pub struct DFlashConfig {
     pub attention_bias: bool,
 }
 
-/// `dflash_config.KEY` when present, else the top-level `KEY`.
-fn dflash_field<'a>(config: &'a serde_json::Value, key: &str) -> &'a serde_json::Value {
-    match &config["dflash_config"][key] {
-        serde_json::Value::Null => &config[key],
-        nested => nested,
+/// The keys of config.json that DFlash reads besides the decoder's own ([`CommonConfig`]),
+/// HF names verbatim; unknown keys are ignored. Absent and `null` are the same.
+/// `dflash_config`'s entries win over the top-level ones of the same name: the z-lab
+/// checkpoints keep the taps and the mask token there and `block_size` at the top,
+/// the Qwen3.5 ones all three inside.
+#[derive(Debug, Deserialize)]
+struct DFlashJson {
+    dflash_config: Option<DFlashKeys>,
+    target_layer_ids: Option<Vec<usize>>,
+    mask_token_id: Option<u32>,
+    block_size: Option<usize>,
+    attention_bias: Option<bool>,
+    use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+}
+
+/// `dflash_config`: the keys that may also sit at the top level.
+#[derive(Debug, Default, Deserialize)]
+struct DFlashKeys {
+    target_layer_ids: Option<Vec<usize>>,
+    mask_token_id: Option<u32>,
+    block_size: Option<usize>,
+}
+
+/// What a DFlash config must give under `key`, to say how to fix a missing or malformed
+/// entry.
+fn expected(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "target_layer_ids" => {
+            "the target layers whose outputs the drafter reads: a non-empty list of layer \
+             indices, e.g. [1, 9, 17, 25, 33]"
+        }
+        "mask_token_id" => "the token id that fills the block's undrafted positions",
+        "block_size" => {
+            "the number of positions drafted per pass, at least 2 (16 for the z-lab b16 \
+             checkpoints)"
+        }
+        "dflash_config" => "an object holding target_layer_ids, mask_token_id and block_size",
+        "attention_bias" | "use_sliding_window" => "true or false",
+        "max_window_layers" => "the index of the first sliding-window layer",
+        _ => return None,
+    })
+}
+
+/// Reads DFlash's own keys; an error names the file, the field (`a.b[2]`) and what the
+/// field must hold.
+fn parse_dflash_keys(config: &serde_json::Value, path: &Path) -> Result<DFlashJson> {
+    // serde reads a struct from an array too, by position, which would blame the
+    // array's first element rather than its shape.
+    let nested = &config["dflash_config"];
+    if !(nested.is_null() || nested.is_object()) {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "`dflash_config`: expected an object, got {nested}; `dflash_config` must be {}",
+                expected("dflash_config").unwrap_or_default()
+            ),
+        ));
+    }
+    serde_path_to_error::deserialize(config).map_err(|e| {
+        let key = e.path().iter().rev().find_map(|segment| match segment {
+            serde_path_to_error::Segment::Map { key } => Some(key.as_str()),
+            _ => None,
+        });
+        let message = match key {
+            None => format!("unexpected contents: {}", e.inner()),
+            Some(key) => {
+                let fix = expected(key)
+                    .map(|what| format!("; `{key}` must be {what}"))
+                    .unwrap_or_default();
+                format!("`{}`: {}{fix}", e.path(), e.inner())
+            }
+        };
+        ModelError::config(path, message)
+    })
+}
+
+/// `dflash_config.KEY` when given, else the top-level `KEY`, with the name of where it
+/// was found for later messages; an error when neither gives it.
+fn nested_or_top<T>(
+    nested: Option<T>,
+    top: Option<T>,
+    key: &str,
+    path: &Path,
+) -> Result<(T, String)> {
+    match (nested, top) {
+        (Some(value), _) => Ok((value, format!("dflash_config.{key}"))),
+        (None, Some(value)) => Ok((value, key.to_string())),
+        (None, None) => Err(ModelError::config(
+            path,
+            format!(
+                "`dflash_config.{key}` (or top-level `{key}`) is missing; a DFlash config must give {}",
+                expected(key).unwrap_or(key)
+            ),
+        )),
     }
 }
 
@@ -90,80 +181,65 @@ impl DFlashConfig {
     /// Parses and checks the drafter's own config (nothing about the target yet).
     pub fn from_json(config: &serde_json::Value, dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let bad = |message: String| ModelError::config(&path, message);
         let common: CommonConfig = parse_config(config, dir)?;
         common.validate(&path)?;
+        let json = parse_dflash_keys(config, &path)?;
+        let nested = json.dflash_config.unwrap_or_default();
 
-        let missing = |key: &str, what: &str| {
-            bad(format!(
-                "`dflash_config.{key}` (or top-level `{key}`) is missing; a DFlash config must give {what}"
-            ))
-        };
-        let ids = dflash_field(config, "target_layer_ids");
-        if ids.is_null() {
-            return Err(missing(
-                "target_layer_ids",
-                "the target layers whose outputs it reads, e.g. [1, 9, 17, 25, 33]",
+        let (target_layer_ids, at) = nested_or_top(
+            nested.target_layer_ids,
+            json.target_layer_ids,
+            "target_layer_ids",
+            &path,
+        )?;
+        if target_layer_ids.is_empty() {
+            return Err(ModelError::config(
+                &path,
+                format!(
+                    "`{at}` is empty; a DFlash config must give {}",
+                    expected("target_layer_ids").unwrap_or_default()
+                ),
             ));
         }
-        let target_layer_ids = ids
-            .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .map(|v| v.as_u64().map(|i| i as usize))
-                    .collect::<Option<Vec<_>>>()
-            })
-            .filter(|ids| !ids.is_empty())
-            .ok_or_else(|| {
-                bad(format!(
-                    "`target_layer_ids` must be a non-empty list of layer indices, got {ids}"
-                ))
-            })?;
-
-        let mask = dflash_field(config, "mask_token_id");
-        if mask.is_null() {
-            return Err(missing(
-                "mask_token_id",
-                "the token id that fills the block's undrafted positions",
+        let (mask_token_id, _) = nested_or_top(
+            nested.mask_token_id,
+            json.mask_token_id,
+            "mask_token_id",
+            &path,
+        )?;
+        let (block_size, at) =
+            nested_or_top(nested.block_size, json.block_size, "block_size", &path)?;
+        if block_size < 2 {
+            return Err(ModelError::config(
+                &path,
+                format!(
+                    "`{at}` must be at least 2 (the committed token plus at least one draft), \
+                     got {block_size}"
+                ),
             ));
         }
-        let mask_token_id = mask
-            .as_u64()
-            .and_then(|m| u32::try_from(m).ok())
-            .ok_or_else(|| bad(format!("`mask_token_id` must be a token id, got {mask}")))?;
 
-        let block = dflash_field(config, "block_size");
-        if block.is_null() {
-            return Err(missing(
-                "block_size",
-                "the number of positions drafted per pass (16 for the z-lab b16 checkpoints)",
-            ));
-        }
-        let block_size = block
-            .as_u64()
-            .filter(|&b| b >= 2)
-            .ok_or_else(|| {
-                bad(format!(
-                    "`block_size` must be at least 2 (the committed token plus at least one draft), got {block}"
-                ))
-            })? as usize;
-
-        let windows = Self::windows(config, &common, &path)?;
+        let sliding_from = json
+            .use_sliding_window
+            .unwrap_or(false)
+            .then(|| json.max_window_layers.unwrap_or(DEFAULT_MAX_WINDOW_LAYERS));
+        let windows = Self::windows(&common, sliding_from, &path)?;
         Ok(Self {
             block_size,
             target_layer_ids,
             mask_token_id,
             windows,
-            attention_bias: config["attention_bias"].as_bool().unwrap_or(false),
+            attention_bias: json.attention_bias.unwrap_or(false),
             common,
         })
     }
 
     /// Which layers use a sliding window: `layer_types` when given, else HF Qwen3's rule
-    /// (`use_sliding_window` from `max_window_layers` on).
+    /// (with `use_sliding_window`, layers from `max_window_layers` on, passed here as
+    /// `sliding_from`).
     fn windows(
-        config: &serde_json::Value,
         common: &CommonConfig,
+        sliding_from: Option<usize>,
         path: &Path,
     ) -> Result<Vec<Option<i32>>> {
         let layers = common.num_hidden_layers as usize;
@@ -174,8 +250,8 @@ impl DFlashConfig {
                 format!("sliding_attention layers need a positive `sliding_window`, got {other:?}"),
             )),
         };
-        match &common.layer_types {
-            Some(types) => types
+        match (&common.layer_types, sliding_from) {
+            (Some(types), _) => types
                 .iter()
                 .map(|t| match t.as_str() {
                     "full_attention" => Ok(None),
@@ -189,23 +265,16 @@ impl DFlashConfig {
                     )),
                 })
                 .collect(),
-            None if config["use_sliding_window"].as_bool() == Some(true)
-                && common.sliding_window.is_some() =>
-            {
-                let from = config["max_window_layers"]
-                    .as_u64()
-                    .map_or(DEFAULT_MAX_WINDOW_LAYERS, |m| m as usize);
-                (0..layers)
-                    .map(|i| {
-                        if i >= from {
-                            window().map(Some)
-                        } else {
-                            Ok(None)
-                        }
-                    })
-                    .collect()
-            }
-            None => Ok(vec![None; layers]),
+            (None, Some(from)) if common.sliding_window.is_some() => (0..layers)
+                .map(|i| {
+                    if i >= from {
+                        window().map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                })
+                .collect(),
+            (None, _) => Ok(vec![None; layers]),
         }
     }
 
@@ -649,6 +718,123 @@ mod tests {
         no_hidden.as_object_mut().unwrap().remove("hidden_size");
         let e = err(&no_hidden.to_string());
         assert!(e.contains("hidden_size"), "{e}");
+    }
+
+    #[test]
+    fn every_field_it_reads_parses_to_its_value() {
+        let c = parse(&with(
+            TINY_DFLASH,
+            r#"{"attention_bias": true, "block_size": 4, "target_layer_ids": [7],
+                "mask_token_id": 9, "rms_norm_eps": 1e-5, "rope_theta": 20000.0,
+                "dflash_config": {"target_layer_ids": [1, 0], "mask_token_id": 258}}"#,
+        ))
+        .unwrap();
+        // dflash_config wins over the top level; block_size comes from the top level.
+        assert_eq!(
+            (c.target_layer_ids.clone(), c.mask_token_id, c.block_size),
+            (vec![1, 0], 258, 4)
+        );
+        assert!(c.attention_bias);
+        assert_eq!(c.windows, vec![None, None]);
+        let common = &c.common;
+        assert_eq!(
+            (
+                common.vocab_size,
+                common.hidden_size,
+                common.intermediate_size,
+                common.num_hidden_layers,
+                common.num_attention_heads,
+                common.kv_heads(),
+                common.head_dim(),
+            ),
+            (259, 32, 64, 2, 4, 2, 16)
+        );
+        assert_eq!((common.rms_norm_eps, common.rope().0), (1e-5, 20000.0));
+        // Left out: no bias, and Qwen3's max_window_layers of 28 keeps both layers full.
+        let mut bare: serde_json::Value = serde_json::from_str(&with(
+            TINY_DFLASH,
+            r#"{"layer_types": null, "use_sliding_window": true, "sliding_window": 4}"#,
+        ))
+        .unwrap();
+        bare.as_object_mut().unwrap().remove("attention_bias");
+        let c = DFlashConfig::from_json(&bare, Path::new("/drafter")).unwrap();
+        assert!(!c.attention_bias);
+        assert_eq!(c.windows, vec![None, None]);
+    }
+
+    #[test]
+    fn a_missing_field_is_named_with_the_file_and_the_fix() {
+        for (key, fix) in [
+            ("target_layer_ids", "e.g. [1, 9, 17, 25, 33]"),
+            ("mask_token_id", "undrafted positions"),
+            ("block_size", "positions drafted per pass"),
+        ] {
+            let mut config: serde_json::Value = serde_json::from_str(TINY_DFLASH).unwrap();
+            config.as_object_mut().unwrap().remove(key);
+            config["dflash_config"].as_object_mut().unwrap().remove(key);
+            let e = DFlashConfig::from_json(&config, Path::new("/drafter"))
+                .unwrap_err()
+                .to_string();
+            for needle in [
+                "/drafter/config.json",
+                &format!("`dflash_config.{key}` (or top-level `{key}`) is missing"),
+                fix,
+            ] {
+                assert!(e.contains(needle), "{key}: `{needle}` missing in: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_wrongly_typed_field_is_named_with_the_file_and_the_fix() {
+        let cases: [(&str, &[&str]); 8] = [
+            (
+                r#"{"dflash_config": {"target_layer_ids": [0, "one"], "mask_token_id": 256}}"#,
+                &[
+                    "`dflash_config.target_layer_ids[1]`",
+                    "\"one\"",
+                    "list of layer indices",
+                ],
+            ),
+            (
+                r#"{"dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": "<mask>"}}"#,
+                &["`dflash_config.mask_token_id`", "expected u32", "token id"],
+            ),
+            (
+                r#"{"dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": -5}}"#,
+                &["`dflash_config.mask_token_id`", "-5"],
+            ),
+            (
+                r#"{"block_size": "eight"}"#,
+                &["`block_size`", "\"eight\"", "at least 2"],
+            ),
+            (
+                r#"{"dflash_config": [0, 1]}"#,
+                &[
+                    "`dflash_config`: expected an object, got [0,1]",
+                    "an object holding target_layer_ids",
+                ],
+            ),
+            (
+                r#"{"attention_bias": "yes"}"#,
+                &["`attention_bias`", "true or false"],
+            ),
+            (
+                r#"{"use_sliding_window": true, "max_window_layers": -1}"#,
+                &["`max_window_layers`", "-1"],
+            ),
+            (r#"{"hidden_size": "wide"}"#, &["`hidden_size`", "\"wide\""]),
+        ];
+        for (overrides, needles) in cases {
+            let e = err(&with(TINY_DFLASH, overrides));
+            assert!(e.contains("/drafter/config.json"), "{overrides}: {e}");
+            for needle in needles {
+                assert!(
+                    e.contains(needle),
+                    "{overrides}: `{needle}` missing in: {e}"
+                );
+            }
+        }
     }
 
     #[test]
