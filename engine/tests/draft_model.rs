@@ -138,11 +138,13 @@ fn draft_models_give_the_greedy_output(ahead: DraftAhead) {
     }
 }
 
-/// Under `--max-draft auto` a draft model whose drafts fail leaves long runs of plain
+/// Under `--max-draft auto` a draft model whose drafts mostly fail leaves runs of plain
 /// steps, which reach its thread in pieces it reads while the target decodes (when its
-/// work overlaps the target's): the output is still plain greedy's, token for token.
+/// work overlaps the target's): the output is still plain greedy's, token for token,
+/// whatever the rounds chose (the choice follows measured times, so how many rounds
+/// ran plain varies; the pieces' reading itself is checked in `draft_thread`'s tests).
 #[test]
-fn plain_runs_under_auto_reach_the_draft_model_in_pieces_and_change_nothing() {
+fn auto_rounds_with_a_failing_draft_model_keep_the_greedy_output() {
     let root = tempfile::tempdir().unwrap();
     let (t, other) = (root.path().join("target"), root.path().join("other"));
     write_tiny_model(&t, "{}", 11).unwrap();
@@ -176,10 +178,10 @@ fn plain_runs_under_auto_reach_the_draft_model_in_pieces_and_change_nothing() {
         .unwrap();
         assert_eq!(spec.tokens, plain.tokens, "{ahead:?}");
         let s = &spec.speculative;
-        assert!(
-            s.draft_histogram[0] > 64,
-            "{ahead:?}: runs of plain steps long enough to arrive in pieces: {:?}",
-            s.draft_histogram
+        assert_eq!(
+            s.draft_histogram.iter().sum::<usize>(),
+            s.target_forwards,
+            "{ahead:?}: every round counted once"
         );
     }
 }
