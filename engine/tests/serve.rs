@@ -314,24 +314,47 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     server.wait_for_log("POST /v1/chat/completions 400");
 }
 
+/// Wider and with a longer context than the usual tiny model, so that a long
+/// generation keeps the model busy for seconds.
+const BIGGER: &str = r#"{"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+                          "max_position_embeddings": 2048}"#;
+
+/// A greedy request that runs to 1000 tokens on [`BIGGER`].
+fn long_request() -> Value {
+    json!({"model": "tiny", "prompt": "tell me everything", "max_tokens": 1000, "temperature": 0})
+}
+
 #[test]
 fn a_full_queue_answers_429_and_no_answer_is_lost_or_mixed() {
-    let server = Arc::new(Server::start("ngram", &["--queue-size", "1"]));
-    let body = |i: usize| json!({"model": "tiny", "prompt": format!("client {i} says"), "max_tokens": 40, "temperature": 0});
+    let server = Arc::new(Server::start_on(BIGGER, "ngram", &["--queue-size", "1"]));
+    let body = |i: usize| json!({"model": "tiny", "prompt": format!("client {i} says"), "max_tokens": 8, "temperature": 0});
     // Each client's own answer, asked alone.
-    let alone: Vec<Value> = (0..6)
+    let alone: Vec<Value> = (0..4)
         .map(|i| server.post("/v1/completions", &body(i)).1["choices"][0]["text"].clone())
         .collect();
-    let clients: Vec<_> = (0..6)
-        .map(|i| {
-            let server = server.clone();
-            let body = body(i);
-            std::thread::spawn(move || server.post("/v1/completions", &body))
-        })
-        .collect();
+    // The model busy with a long stream: one client may wait, the others are refused.
+    let mut long = long_request();
+    long["stream"] = json!(true);
+    let busy = open_stream(&server, &long);
+    let (answers_tx, answers) = channel();
+    for i in 0..4 {
+        let server = server.clone();
+        let body = body(i);
+        let answers_tx = answers_tx.clone();
+        std::thread::spawn(move || {
+            let _ = answers_tx.send((i, server.post("/v1/completions", &body)));
+        });
+    }
+    let mut refused = 0;
     let mut served = 0;
-    for (i, client) in clients.into_iter().enumerate() {
-        let (status, answer) = client.join().expect("client thread");
+    for n in 0..4 {
+        if n == 3 {
+            // Three refused while the long stream runs: free the model for the fourth.
+            let _ = busy.shutdown(std::net::Shutdown::Both);
+        }
+        let (i, (status, answer)) = answers
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every client gets an answer");
         match status {
             200 => {
                 assert_eq!(
@@ -340,11 +363,19 @@ fn a_full_queue_answers_429_and_no_answer_is_lost_or_mixed() {
                 );
                 served += 1;
             }
-            429 => assert_eq!(answer["error"]["type"], "rate_limit_error", "{answer}"),
+            429 => {
+                assert_eq!(answer["error"]["type"], "rate_limit_error", "{answer}");
+                refused += 1;
+            }
             other => panic!("client {i}: status {other}: {answer}"),
         }
     }
-    assert!(served >= 1, "the queue serves at least one");
+    assert_eq!(
+        (served, refused),
+        (1, 3),
+        "queue of one behind a busy model"
+    );
+    drop(busy);
 }
 
 /// Sends a streamed request on a raw socket and reads until the first text chunk.
@@ -377,18 +408,13 @@ fn open_stream(server: &Server, body: &Value) -> TcpStream {
 
 #[test]
 fn a_client_that_disconnects_cancels_its_generation() {
-    // Wider and with a longer context than the usual tiny model, so a whole generation
-    // takes long enough to leave in the middle of.
-    let bigger = r#"{"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
-                     "max_position_embeddings": 4096}"#;
-    let server = Server::start_on(bigger, "ngram", &[]);
-    let mut body = json!({"model": "tiny", "prompt": "tell me everything", "max_tokens": 3000,
-                          "temperature": 0});
+    let server = Server::start_on(BIGGER, "ngram", &[]);
+    let mut body = long_request();
     // Unhindered, the request runs to its limit (so a shorter count below is a cancel).
     let (status, whole) = server.post("/v1/completions", &body);
     assert_eq!(status, 200, "{whole}");
     assert_eq!(
-        whole["usage"]["completion_tokens"], 3000,
+        whole["usage"]["completion_tokens"], 1000,
         "{}",
         whole["usage"]
     );
@@ -405,7 +431,8 @@ fn a_client_that_disconnects_cancels_its_generation() {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("a token count in {line:?}"));
-    assert!(done < 3000, "{line}");
+    assert!(done < 1000, "{line}");
+    server.wait_for_log("client went away");
     let (status, body) = server.post("/v1/chat/completions", &chat_body(json!({})));
     assert_eq!(status, 200, "serving the next request: {body}");
 }
