@@ -79,10 +79,23 @@ impl Server {
 
     /// Waits until a stderr line contains `text`.
     fn wait_for_log(&self, text: &str) -> String {
+        self.wait_for_logs(text, 1)
+    }
+
+    /// Waits until `count` stderr lines contain `text`; returns the last of them.
+    fn wait_for_logs(&self, text: &str, count: usize) -> String {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Some(line) = self.log.lock().unwrap().iter().find(|l| l.contains(text)) {
-                return line.clone();
+            let found: Vec<String> = self
+                .log
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains(text))
+                .cloned()
+                .collect();
+            if found.len() >= count {
+                return found[count - 1].clone();
             }
             assert!(
                 Instant::now() < deadline,
@@ -424,15 +437,32 @@ fn a_client_that_disconnects_cancels_its_generation() {
     let (status, _) = server.get("/health");
     assert_eq!(status, 200);
     drop(socket);
-    let line = server.wait_for_log("generation cancelled after");
-    let done: usize = line
-        .split("after ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("a token count in {line:?}"));
-    assert!(done < 1000, "{line}");
+    let cancelled_after = |nth: usize| -> usize {
+        let line = server.wait_for_logs("generation cancelled after", nth);
+        line.split("after ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("a token count in {line:?}"))
+    };
+    assert!(cancelled_after(1) < 1000);
     server.wait_for_log("client went away");
+
+    // A client waiting for a whole answer that leaves cancels it too.
+    body["stream"] = json!(false);
+    let mut socket = TcpStream::connect(&server.addr).expect("connect");
+    let payload = body.to_string();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        server.addr,
+        payload.len()
+    )
+    .expect("send");
+    // Well inside the seconds the whole answer takes.
+    std::thread::sleep(Duration::from_millis(1000));
+    drop(socket);
+    assert!(cancelled_after(2) < 1000);
     let (status, body) = server.post("/v1/chat/completions", &chat_body(json!({})));
     assert_eq!(status, 200, "serving the next request: {body}");
 }
