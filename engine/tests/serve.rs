@@ -466,3 +466,30 @@ fn a_client_that_disconnects_cancels_its_generation() {
     let (status, body) = server.post("/v1/chat/completions", &chat_body(json!({})));
     assert_eq!(status, 200, "serving the next request: {body}");
 }
+
+#[test]
+fn a_port_in_use_or_a_missing_model_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(dir.path(), "{}", 7).expect("tiny model");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    let run = |target: &str| {
+        Command::new(env!("CARGO_BIN_EXE_dspec"))
+            .args(["serve", "--target", target, "--drafter", "ngram"])
+            .args(["--port", &port])
+            .output()
+            .expect("run dspec serve")
+    };
+    let out = run(dir.path().to_str().expect("utf-8 path"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!("--port {port}")) && err.contains("cannot listen"),
+        "{err}"
+    );
+    let missing = dir.path().join("absent");
+    let out = run(missing.to_str().expect("utf-8 path"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("absent") && !err.contains("panicked"), "{err}");
+}
