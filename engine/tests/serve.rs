@@ -314,6 +314,13 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let (status, body) = server.post("/v1/completions", &json!({"prompt": long, "max_tokens": 4}));
     error(status, &body, 400, Some("prompt"));
     assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+    // 200 prompt tokens fit, but not with 100 more.
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "ab".repeat(100), "max_completion_tokens": 100}),
+    );
+    error(status, &body, 400, Some("max_completion_tokens"));
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
     let (status, body) = server.post(
         "/v1/completions",
         &json!({"prompt": "hi", "max_tokens": 4, "padding": "x".repeat(4000)}),

@@ -17,6 +17,16 @@ pub enum Prompt {
     Text(String),
 }
 
+impl Prompt {
+    /// The request field the prompt came in.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Prompt::Chat(_) => "messages",
+            Prompt::Text(_) => "prompt",
+        }
+    }
+}
+
 /// A checked request: everything the worker needs, nothing it must validate again
 /// except what only the tokenizer knows (the prompt's length in tokens).
 #[derive(Debug, Clone)]
@@ -24,6 +34,8 @@ pub struct JobRequest {
     pub prompt: Prompt,
     /// `None`: the server's default, cut to the context left after the prompt.
     pub max_tokens: Option<usize>,
+    /// The field `max_tokens` came in (`max_tokens` or `max_completion_tokens`).
+    pub max_tokens_param: &'static str,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -318,6 +330,7 @@ fn job(
     Ok(JobRequest {
         prompt,
         max_tokens: max_tokens.map(|m| m as usize),
+        max_tokens_param: param,
         sampling: SamplingParams {
             temperature: temperature as f32,
             top_k: s.top_k.unwrap_or(0) as usize,

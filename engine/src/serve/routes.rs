@@ -297,7 +297,8 @@ async fn handle(
     }
     loop {
         match events.recv().await {
-            Some(Event::Text(_)) | Some(Event::Started) => cancellation.pieces += 1,
+            Some(Event::Text(_)) => cancellation.pieces += 1,
+            Some(Event::Started) => {}
             Some(Event::Done(done)) => {
                 cancellation.done = true;
                 let mut response = Json(envelope.complete(&done)).into_response();

@@ -146,10 +146,7 @@ fn encode(
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?
         }
     };
-    let param = match prompt {
-        Prompt::Text(_) => "prompt",
-        Prompt::Chat(_) => "messages",
-    };
+    let param = prompt.param();
     if ids.is_empty() {
         return Err(ApiError::invalid(
             param,
@@ -163,13 +160,9 @@ fn encode(
 /// cut to the context left.
 fn max_tokens(engine: &Engine, request: &JobRequest, prompt: usize) -> Result<usize, ApiError> {
     let limit = engine.loaded.model.info().max_context.unwrap_or(usize::MAX);
-    let param = match request.prompt {
-        Prompt::Text(_) => "prompt",
-        Prompt::Chat(_) => "messages",
-    };
     if prompt >= limit {
         return Err(ApiError::invalid(
-            param,
+            request.prompt.param(),
             format!(
                 "the prompt has {prompt} tokens but the model's context is {limit}; shorten it"
             ),
@@ -179,8 +172,8 @@ fn max_tokens(engine: &Engine, request: &JobRequest, prompt: usize) -> Result<us
     let left = limit - prompt;
     match request.max_tokens {
         Some(m) if m > left => Err(ApiError::invalid(
-            "max_tokens",
-            format!("the prompt ({prompt} tokens) and `max_tokens` ({m}) exceed the model's context of {limit} tokens; ask for at most {left}"),
+            request.max_tokens_param,
+            format!("the prompt ({prompt} tokens) and `{}` ({m}) exceed the model's context of {limit} tokens; ask for at most {left}", request.max_tokens_param),
         )
         .with_code("context_length_exceeded")),
         Some(m) => Ok(m),
