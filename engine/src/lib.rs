@@ -4,8 +4,9 @@
 //! Laid out by concern: `loading` (a `--target` to a loaded model and tokenizer, plugins),
 //! `text` (tokenizer, chat template, streaming detokenization, stop strings), `decoding`
 //! (plain and speculative decoding, sampling, acceptance, draft lengths, drafters),
-//! `scoring` (log-probabilities), `bench`, and `formats` (GGUF reading and conversion,
-//! used only by `dspec convert`). The command line is the binary's `cli` module.
+//! `scoring` (log-probabilities), `serve` (the OpenAI-compatible server), `bench`, and
+//! `formats` (GGUF reading and conversion, used only by `dspec convert`). The command
+//! line is the binary's `cli` module.
 
 pub mod bench;
 pub mod decoding;
@@ -14,6 +15,7 @@ pub mod formats;
 pub mod loading;
 pub mod runtime;
 pub mod scoring;
+pub mod serve;
 pub mod text;
 #[cfg(feature = "test-fixtures")]
 pub mod tiny_model;

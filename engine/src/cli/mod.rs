@@ -11,6 +11,7 @@ mod convert;
 mod generate;
 mod prompt;
 mod score;
+mod serve;
 
 use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -46,6 +47,9 @@ pub enum Command {
     Adapters(adapters::AdaptersArgs),
     /// Convert a GGUF model file into a model directory `dspec generate` loads.
     Convert(convert::ConvertArgs),
+    /// Serve a target and its drafter over an OpenAI-compatible HTTP API (chat and text
+    /// completions, streamed or not), speculative decoding on for every request.
+    Serve(serve::ServeArgs),
 }
 
 impl Command {
@@ -57,6 +61,7 @@ impl Command {
             Command::Score(args) => score::run(args, plugins),
             Command::Adapters(args) => adapters::run(args, plugins),
             Command::Convert(args) => convert::run(args),
+            Command::Serve(args) => serve::run(args, plugins),
         }
     }
 }
@@ -84,7 +89,7 @@ mod tests {
     fn every_subcommand_is_listed() {
         assert_eq!(
             command_names(),
-            ["generate", "bench", "score", "adapters", "convert"]
+            ["generate", "bench", "score", "adapters", "convert", "serve"]
         );
     }
 }

@@ -37,6 +37,8 @@ pub enum StopReason {
     StopString,
     MaxTokens,
     ContextLength,
+    /// The caller asked to stop (a server's client went away).
+    Cancelled,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -132,6 +132,9 @@ struct Committer<'a> {
     tokens: Vec<u32>,
     config: &'a GenerationConfig,
     context_left: usize,
+    /// Asked after every committed token, so a caller (a server whose client left)
+    /// stops a generation within one round.
+    cancelled: &'a dyn Fn() -> bool,
 }
 
 impl Committer<'_> {
@@ -149,6 +152,9 @@ impl Committer<'_> {
         }
         if self.tokens.len() >= self.context_left {
             return Ok(Some(StopReason::ContextLength));
+        }
+        if (self.cancelled)() {
+            return Ok(Some(StopReason::Cancelled));
         }
         Ok(None)
     }
@@ -421,6 +427,28 @@ pub fn generate_speculative(
     speculation: Speculation<'_>,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<SpeculativeOutput, EngineError> {
+    generate_speculative_cancellable(
+        model,
+        tokenizer,
+        prompt,
+        config,
+        speculation,
+        on_text,
+        &|| false,
+    )
+}
+
+/// [`generate_speculative`] that ends early, with [`StopReason::Cancelled`], once
+/// `cancelled` returns true; it is asked after each committed token.
+pub fn generate_speculative_cancellable(
+    model: &dyn TargetModel,
+    tokenizer: &TextTokenizer,
+    prompt: &[u32],
+    config: &GenerationConfig,
+    speculation: Speculation<'_>,
+    on_text: &mut dyn FnMut(&str),
+    cancelled: &dyn Fn() -> bool,
+) -> Result<SpeculativeOutput, EngineError> {
     let Speculation {
         drafter,
         max_draft,
@@ -446,6 +474,7 @@ pub fn generate_speculative(
         tokens: Vec::new(),
         config,
         context_left: context_limit - prompt.len(),
+        cancelled,
     };
     let mut cache = model.new_cache();
     reserve_for_generation(

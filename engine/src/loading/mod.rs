@@ -1,8 +1,10 @@
 //! Loads a target: resolve the directory, pick the adapter from the registry, load
 //! the weights (with a progress bar on a terminal) and the tokenizer; optionally with
-//! a LoRA adapter attached. `model_source` resolves a `--target`; `plugins` adds
-//! plugin families to the registry the loader picks from.
+//! a LoRA adapter attached. `model_source` resolves a `--target` (`hub` downloads hub
+//! models into the cache); `plugins` adds plugin families to the registry the loader
+//! picks from.
 
+pub mod hub;
 pub mod model_source;
 pub mod plugins;
 

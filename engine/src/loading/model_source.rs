@@ -1,7 +1,10 @@
 //! Turns `--target`/`--drafter` into a model directory: a local path, or a Hugging
-//! Face hub id found in the local hub cache (this build never downloads).
+//! Face hub id `org/name[@revision]`, taken from the local hub cache or downloaded
+//! into it (see [`crate::loading::hub`]).
 
 use std::path::{Path, PathBuf};
+
+use crate::loading::hub::{cached_dir, download, missing_offline, offline, HubId};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -10,14 +13,34 @@ pub enum SourceError {
     #[error("{0} is a file; --target wants a model directory (config.json, tokenizer.json, *.safetensors). For a .gguf file run `dspec convert {0} OUT_DIR` first")]
     NotADirectory(PathBuf),
     #[error(
-        "`{id}` is not a local directory and not in the Hugging Face cache ({cache}).\n\
-         dspec does not download models. On a machine with network access run\n  huggingface-cli download {id}\n\
-         and copy the cache here (or set HF_HOME), or pass a local model directory."
+        "`{id}` is not a local directory and not in the Hugging Face cache ({cache}), and \
+         HF_HUB_OFFLINE is set, so dspec does not download it; missing: {}.\n\
+         Unset HF_HUB_OFFLINE to download it, or on a machine with network access run\n  \
+         huggingface-cli download {download_args}\nand copy the cache here (or set HF_HOME), or pass a \
+         local model directory.",
+        missing.join(", ")
     )]
-    NotCached { id: String, cache: String },
+    NotCached {
+        id: String,
+        /// What `huggingface-cli download` takes for this id.
+        download_args: String,
+        cache: String,
+        missing: Vec<String>,
+    },
+    #[error(
+        "downloading `{id}`{}: {message}.\nCheck the id and revision (org/name@revision), set \
+         HF_TOKEN for a gated or private model, HF_ENDPOINT for a mirror, or HF_HUB_OFFLINE=1 \
+         to use the cache only.",
+        if file.is_empty() { String::new() } else { format!(" ({file})") }
+    )]
+    Download {
+        id: String,
+        file: String,
+        message: String,
+    },
 }
 
-/// Whether `s` looks like `org/name` rather than a path.
+/// Whether `s` looks like `org/name[@revision]` rather than a path.
 fn looks_like_hub_id(s: &str) -> bool {
     let parts: Vec<&str> = s.split('/').collect();
     parts.len() == 2
@@ -40,18 +63,23 @@ pub fn resolve_model_dir(arg: &str) -> Result<PathBuf, SourceError> {
     if !looks_like_hub_id(arg) {
         return Err(SourceError::NotFound(path.to_path_buf()));
     }
+    let id = HubId::parse(arg);
     let cache = hf_hub::Cache::from_env();
-    let repo = cache.model(arg.to_string());
-    match repo
-        .get("config.json")
-        .and_then(|p| p.parent().map(Path::to_path_buf))
-    {
-        Some(dir) => Ok(dir),
-        None => Err(SourceError::NotCached {
-            id: arg.to_string(),
-            cache: cache.path().display().to_string(),
-        }),
+    if let Some(dir) = cached_dir(&cache, &id) {
+        return Ok(dir);
     }
+    if offline() {
+        return Err(SourceError::NotCached {
+            id: arg.to_string(),
+            download_args: match id.revision.as_str() {
+                "main" => id.repo.clone(),
+                rev => format!("{} --revision {rev}", id.repo),
+            },
+            cache: cache.path().display().to_string(),
+            missing: missing_offline(&cache, &id),
+        });
+    }
+    download(&cache, &id)
 }
 
 #[cfg(test)]
@@ -83,6 +111,8 @@ mod tests {
         std::fs::create_dir_all(repo.join("snapshots/abc123")).unwrap();
         std::fs::write(repo.join("snapshots/abc123/config.json"), "{}").unwrap();
         std::env::set_var("HF_HOME", home.path());
+        // Never the real hub from a unit test.
+        std::env::set_var("HF_HUB_OFFLINE", "1");
         assert_eq!(
             resolve_model_dir("org/tiny").unwrap(),
             repo.join("snapshots/abc123")
@@ -90,6 +120,8 @@ mod tests {
         let err = resolve_model_dir("org/absent").unwrap_err().to_string();
         assert!(
             err.contains("not in the Hugging Face cache")
+                && err.contains("HF_HUB_OFFLINE")
+                && err.contains("config.json")
                 && err.contains("huggingface-cli download org/absent"),
             "{err}"
         );

@@ -1,0 +1,85 @@
+//! `dspec serve`: an OpenAI-compatible HTTP server over one target and its drafter,
+//! speculative decoding on for every request.
+//!
+//! Two sides, joined by channels. The model side is one thread ([`worker`]) that loads
+//! the target and drafter and owns every MLX array (MLX binds arrays to the thread that
+//! made them); it takes [`worker::Job`]s off a bounded queue one at a time and sends
+//! each job's [`worker::Event`]s (started or refused, text pieces, the finished numbers)
+//! back on that job's own channel. The HTTP side ([`routes`]) runs on tokio: it parses
+//! and checks a request ([`request`]) before queueing it, answers 429 when the queue is
+//! full, and turns the events into one JSON body or a Server-Sent Events stream
+//! ([`response`]). A client that goes away drops its receiver, which raises the job's
+//! cancel flag; the worker checks it after every committed token, so the model is free
+//! again within one speculative round, and `/health` never waits on the model.
+//!
+//! Continuous batching later: the worker's loop is the only place that decides what
+//! runs. It would drain every queued job into a set of live sequences and advance them
+//! together, one batched verify forward per round over all their drafts (each sequence
+//! with its own cache, drafter state and sampler), sending each job's events on its own
+//! channel as now; the queue, the events and the HTTP side stay as they are.
+
+pub mod error;
+pub mod request;
+pub mod response;
+mod routes;
+pub mod worker;
+
+use std::sync::Arc;
+
+use crate::error::EngineError;
+use routes::{router, AppState};
+use worker::Loader;
+
+/// How the server is set up (from `dspec serve`'s flags).
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// The id clients name in `model` and `/v1/models` lists.
+    pub model_id: String,
+    /// Requests waiting beyond the one being generated; more get 429.
+    pub queue_size: usize,
+    /// Larger request bodies get 413.
+    pub max_body_bytes: usize,
+}
+
+/// Loads the model on its thread, then serves until interrupted (Ctrl-C).
+pub fn run(config: ServerConfig, load: Loader) -> Result<(), EngineError> {
+    let (jobs, queue) = std::sync::mpsc::sync_channel(config.queue_size);
+    let facts = worker::spawn(load, queue)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| EngineError::Invalid(format!("starting the HTTP runtime: {e}")))?;
+    let state = Arc::new(AppState::new(
+        jobs,
+        config.model_id.clone(),
+        facts.max_context,
+        facts.drafter.clone(),
+        config.max_body_bytes,
+    ));
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
+            .await
+            .map_err(|e| {
+                EngineError::Invalid(format!(
+                    "--host {} --port {}: cannot listen there ({e}); pick a free port or another address",
+                    config.host, config.port
+                ))
+            })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| EngineError::Invalid(format!("reading the listening address: {e}")))?;
+        // Tests and scripts read this line for the address (with --port 0, the port).
+        eprintln!(
+            "[dspec] serving {} with drafter {} on http://{addr} (queue {})",
+            config.model_id, facts.drafter, config.queue_size
+        );
+        axum::serve(listener, router(state))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .map_err(|e| EngineError::Invalid(format!("serving HTTP: {e}")))
+    })
+}

@@ -1,0 +1,442 @@
+//! The request bodies of `/v1/chat/completions` and `/v1/completions`, parsed with the
+//! failing field named, and checked into a [`JobRequest`] before anything is queued.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::decoding::sampling::SamplingParams;
+use crate::serve::error::ApiError;
+use crate::text::chat_template::ChatMessage;
+
+/// What the worker is asked to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Rendered through the model's chat template.
+    Chat(Vec<ChatMessage>),
+    /// Tokenized as it is.
+    Text(String),
+}
+
+impl Prompt {
+    /// The request field the prompt came in.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Prompt::Chat(_) => "messages",
+            Prompt::Text(_) => "prompt",
+        }
+    }
+}
+
+/// A checked request: everything the worker needs, nothing it must validate again
+/// except what only the tokenizer knows (the prompt's length in tokens).
+#[derive(Debug, Clone)]
+pub struct JobRequest {
+    pub prompt: Prompt,
+    /// `None`: the server's default, cut to the context left after the prompt.
+    pub max_tokens: Option<usize>,
+    /// The field `max_tokens` came in (`max_tokens` or `max_completion_tokens`).
+    pub max_tokens_param: &'static str,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub stream: bool,
+}
+
+/// `stop`: one string or a list of them.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A message's `content`: text, or a list of parts of which dspec reads the text ones.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ContentField {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RequestMessage {
+    role: String,
+    /// Absent or null for an assistant turn that only called tools.
+    content: Option<ContentField>,
+}
+
+/// Both endpoints' bodies (`messages` for chat, `prompt` for completions), in one
+/// struct so that a bad field's path is exact. Unknown fields are ignored, as
+/// OpenAI-compatible servers do, so clients that send extras (`user`,
+/// `stream_options`) still work.
+#[derive(Debug, Default, Deserialize)]
+struct Body {
+    messages: Option<Vec<RequestMessage>>,
+    prompt: Option<PromptField>,
+    model: Option<String>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    /// Not in OpenAI's API; llama.cpp's and vLLM's servers take them too.
+    top_k: Option<u64>,
+    min_p: Option<f64>,
+    seed: Option<u64>,
+    stop: Option<StopField>,
+    n: Option<u64>,
+    stream: Option<bool>,
+    /// Refused when asked for: see [`refuse_unsupported`].
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    functions: Option<Value>,
+    echo: Option<bool>,
+    suffix: Option<Value>,
+    best_of: Option<u64>,
+}
+
+/// `prompt`: a string, or a list holding one string.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// What the checks need to know of the served model.
+pub struct ServedModel<'a> {
+    pub id: &'a str,
+    /// The target's context in tokens, when it has a limit.
+    pub max_context: Option<usize>,
+}
+
+/// Parses JSON into `T`, naming the field at fault.
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::invalid(
+                "body",
+                format!("the request body is not valid JSON: {inner}"),
+            );
+        }
+        // serde names the field only for missing ones; the path names the others.
+        let param = if path == "." {
+            "body".to_string()
+        } else {
+            path
+        };
+        ApiError::invalid(param.clone(), format!("`{param}`: {inner}"))
+    })
+}
+
+/// `POST /v1/chat/completions`'s body.
+pub fn chat_request(body: &[u8], served: &ServedModel) -> Result<JobRequest, ApiError> {
+    let mut body: Body = parse(body)?;
+    let Some(given) = body.messages.take() else {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` is missing; give the conversation as a list of {\"role\", \"content\"}",
+        ));
+    };
+    if given.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` is empty; give at least one message",
+        ));
+    }
+    let mut messages = Vec::with_capacity(given.len());
+    for (i, m) in given.into_iter().enumerate() {
+        let content = match m.content {
+            None => String::new(),
+            Some(ContentField::Text(t)) => t,
+            Some(ContentField::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.into_iter().enumerate() {
+                    match (part.kind.as_str(), part.text) {
+                        ("text", Some(t)) => text.push_str(&t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
+                                format!("messages[{i}].content[{j}]"),
+                                format!("content parts of type `{kind}` are not supported; send text parts (`{{\"type\": \"text\", \"text\": ...}}`) only"),
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+        };
+        messages.push(ChatMessage::new(m.role, content));
+    }
+    job(Prompt::Chat(messages), body, served, false)
+}
+
+/// `POST /v1/completions`'s body.
+pub fn completion_request(body: &[u8], served: &ServedModel) -> Result<JobRequest, ApiError> {
+    let mut body: Body = parse(body)?;
+    let prompt = match body.prompt.take() {
+        None => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "`prompt` is missing; give the text to continue",
+            ))
+        }
+        Some(PromptField::One(p)) => p,
+        Some(PromptField::Many(mut list)) if list.len() == 1 => list.remove(0),
+        Some(PromptField::Many(list)) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "`prompt` is a list of {} prompts; dspec serves one prompt per request",
+                    list.len()
+                ),
+            ))
+        }
+    };
+    job(Prompt::Text(prompt), body, served, true)
+}
+
+/// Fields that ask for what dspec does not do yet: refused rather than ignored, so a
+/// client never takes a missing feature for an empty answer.
+fn refuse_unsupported(s: &Body, completions: bool) -> Result<(), ApiError> {
+    let asked = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null() && *v != false);
+    if asked(&s.logprobs) {
+        return Err(ApiError::unsupported("logprobs"));
+    }
+    if asked(&s.top_logprobs) {
+        return Err(ApiError::unsupported("top_logprobs"));
+    }
+    let non_empty = |v: &Option<Value>| {
+        v.as_ref()
+            .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
+    };
+    if non_empty(&s.tools) {
+        return Err(ApiError::unsupported("tools"));
+    }
+    if non_empty(&s.functions) {
+        return Err(ApiError::unsupported("functions"));
+    }
+    if s.tool_choice
+        .as_ref()
+        .is_some_and(|v| *v != "none" && *v != "auto" && !v.is_null())
+    {
+        return Err(ApiError::unsupported("tool_choice"));
+    }
+    if completions {
+        if s.echo == Some(true) {
+            return Err(ApiError::unsupported("echo"));
+        }
+        if s.suffix.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::unsupported("suffix"));
+        }
+        if s.best_of.is_some_and(|b| b != 1) {
+            return Err(ApiError::invalid(
+                "best_of",
+                "only `best_of` 1 is supported: dspec generates one completion per request",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn job(
+    prompt: Prompt,
+    s: Body,
+    served: &ServedModel,
+    completions: bool,
+) -> Result<JobRequest, ApiError> {
+    if let Some(model) = &s.model {
+        if model != served.id {
+            return Err(ApiError {
+                status: axum::http::StatusCode::NOT_FOUND,
+                message: format!(
+                    "the model `{model}` is not served here; this server serves `{}` (see GET /v1/models)",
+                    served.id
+                ),
+                param: Some("model".into()),
+                code: Some("model_not_found"),
+            });
+        }
+    }
+    if s.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(
+            "n",
+            "only `n` 1 is supported: dspec generates one choice per request",
+        ));
+    }
+    refuse_unsupported(&s, completions)?;
+    let (param, max_tokens) = match (s.max_completion_tokens, s.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    if let Some(m) = max_tokens {
+        if m == 0 {
+            return Err(ApiError::invalid(
+                param,
+                format!("`{param}` must be at least 1"),
+            ));
+        }
+        if let Some(limit) = served.max_context {
+            if m >= limit as u64 {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("`{param}` is {m} but the model's context is {limit} tokens, prompt included; ask for fewer"),
+                )
+                .with_code("context_length_exceeded"));
+            }
+        }
+    }
+    let temperature = s.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be ≥ 0 (0 = greedy), got {temperature}"),
+        ));
+    }
+    let top_p = s.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let min_p = s.min_p.unwrap_or(0.0);
+    if !(0.0..1.0).contains(&min_p) {
+        return Err(ApiError::invalid(
+            "min_p",
+            format!("`min_p` must be in [0, 1), got {min_p}"),
+        ));
+    }
+    let stop = match s.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s],
+        Some(StopField::Many(list)) => list,
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(
+            "stop",
+            "`stop` holds an empty string, which would stop before the first token; remove it",
+        ));
+    }
+    Ok(JobRequest {
+        prompt,
+        max_tokens: max_tokens.map(|m| m as usize),
+        max_tokens_param: param,
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_k: s.top_k.unwrap_or(0) as usize,
+            top_p: top_p as f32,
+            min_p: min_p as f32,
+            seed: s.seed,
+        },
+        stop,
+        stream: s.stream.unwrap_or(false),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SERVED: ServedModel = ServedModel {
+        id: "tiny",
+        max_context: Some(256),
+    };
+
+    fn chat(body: &str) -> Result<JobRequest, ApiError> {
+        chat_request(body.as_bytes(), &SERVED)
+    }
+
+    fn refused(body: &str, param: &str) -> ApiError {
+        let err = chat(body).expect_err(body);
+        assert_eq!(err.param.as_deref(), Some(param), "{body}: {}", err.message);
+        err
+    }
+
+    #[test]
+    fn a_chat_request_becomes_a_job() {
+        let job = chat(
+            r#"{"model":"tiny","messages":[{"role":"system","content":"be brief"},
+            {"role":"user","content":[{"type":"text","text":"hi"},{"type":"text","text":"!"}]}],
+            "max_tokens":5,"temperature":0,"stop":"x","seed":3,"stream":true,"user":"ignored"}"#,
+        )
+        .expect("valid");
+        assert_eq!(
+            job.prompt,
+            Prompt::Chat(vec![
+                ChatMessage::new("system", "be brief"),
+                ChatMessage::new("user", "hi!")
+            ])
+        );
+        assert_eq!(job.max_tokens, Some(5));
+        assert!(job.sampling.is_greedy());
+        assert_eq!(job.sampling.seed, Some(3));
+        assert_eq!(job.stop, ["x"]);
+        assert!(job.stream);
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_and_completions_take_a_one_prompt_list() {
+        let job = chat(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9,"max_completion_tokens":4}"#)
+            .expect("valid");
+        assert_eq!(job.max_tokens, Some(4));
+        let job =
+            completion_request(br#"{"prompt":["abc"],"stop":["a","b"]}"#, &SERVED).expect("valid");
+        assert_eq!(job.prompt, Prompt::Text("abc".into()));
+        assert_eq!(job.stop, ["a", "b"]);
+        assert!(
+            !job.sampling.is_greedy(),
+            "OpenAI's default temperature is 1"
+        );
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+        refused(&format!("{{{msgs},\"temperature\":-1}}"), "temperature");
+        refused(&format!("{{{msgs},\"top_p\":0}}"), "top_p");
+        refused(&format!("{{{msgs},\"top_p\":1.5}}"), "top_p");
+        refused(&format!("{{{msgs},\"max_tokens\":0}}"), "max_tokens");
+        refused(
+            &format!("{{{msgs},\"max_completion_tokens\":256}}"),
+            "max_completion_tokens",
+        );
+        refused(&format!("{{{msgs},\"n\":2}}"), "n");
+        refused(&format!("{{{msgs},\"stop\":[\"\"]}}"), "stop");
+        refused(
+            &format!("{{{msgs},\"temperature\":\"hot\"}}"),
+            "temperature",
+        );
+        refused(&format!("{{{msgs},\"logprobs\":true}}"), "logprobs");
+        refused(
+            &format!("{{{msgs},\"tools\":[{{\"type\":\"function\"}}]}}"),
+            "tools",
+        );
+        refused(r#"{"messages":[]}"#, "messages");
+        refused(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+            "messages[0].content[0]",
+        );
+        let missing = refused("{}", "messages");
+        assert!(missing.message.contains("messages"), "{}", missing.message);
+        let err = refused(&format!("{{{msgs},\"model\":\"gpt-4\"}}"), "model");
+        assert_eq!(err.status, axum::http::StatusCode::NOT_FOUND);
+        assert!(err.message.contains("tiny"), "{}", err.message);
+        let err = refused("{not json", "body");
+        assert!(err.message.contains("not valid JSON"), "{}", err.message);
+        // Asking for nothing unsupported is fine.
+        chat(&format!(
+            "{{{msgs},\"logprobs\":false,\"tools\":[],\"n\":1}}"
+        ))
+        .expect("valid");
+    }
+}

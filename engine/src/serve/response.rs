@@ -1,0 +1,113 @@
+//! Response bodies in OpenAI's shapes (`chat.completion`, `chat.completion.chunk`,
+//! `text_completion`), each with dspec's speculation numbers under `"dspec"`.
+
+use serde_json::{json, Value};
+
+use crate::serve::worker::{finish_reason, Finished};
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+/// What every body of one response shares.
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Envelope {
+    fn object(&self, kind: &str, choice: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        })
+    }
+
+    /// The whole answer of a request that did not stream.
+    pub fn complete(&self, done: &Finished) -> Value {
+        let reason = finish_reason(done.stats.stop_reason);
+        let mut body = match self.endpoint {
+            Endpoint::Chat => self.object(
+                "chat.completion",
+                json!({"index": 0, "message": {"role": "assistant", "content": done.text},
+                       "logprobs": null, "finish_reason": reason}),
+            ),
+            Endpoint::Completions => self.object(
+                "text_completion",
+                json!({"index": 0, "text": done.text, "logprobs": null, "finish_reason": reason}),
+            ),
+        };
+        add_numbers(&mut body, done);
+        body
+    }
+
+    /// A streamed chunk of text (`None`: the chat stream's opening, naming the role).
+    pub fn chunk(&self, text: Option<&str>) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None => json!({"role": "assistant", "content": ""}),
+                };
+                self.object(
+                    "chat.completion.chunk",
+                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}),
+                )
+            }
+            Endpoint::Completions => self.object(
+                "text_completion",
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": null}),
+            ),
+        }
+    }
+
+    /// The stream's last chunk: no text, the finish reason, usage and dspec's numbers.
+    pub fn last_chunk(&self, done: &Finished) -> Value {
+        let reason = finish_reason(done.stats.stop_reason);
+        let mut body = match self.endpoint {
+            Endpoint::Chat => self.object(
+                "chat.completion.chunk",
+                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": reason}),
+            ),
+            Endpoint::Completions => self.object(
+                "text_completion",
+                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": reason}),
+            ),
+        };
+        add_numbers(&mut body, done);
+        body
+    }
+}
+
+/// `usage` as OpenAI counts it, and `dspec`: how speculation went.
+fn add_numbers(body: &mut Value, done: &Finished) {
+    let s = &done.stats;
+    let sp = &done.speculative;
+    body["usage"] = json!({
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.generated_tokens,
+        "total_tokens": s.prompt_tokens + s.generated_tokens,
+    });
+    body["dspec"] = json!({
+        "drafter": sp.drafter,
+        "tau": sp.tau,
+        "drafted": sp.drafted_tokens,
+        "accepted": sp.accepted_tokens,
+        "target_forwards": sp.target_forwards,
+        "acceptance_histogram": sp.acceptance_histogram,
+        "draft_histogram": sp.draft_histogram,
+        "draft_time_share": sp.draft_time_share,
+        "prefill_tokens_per_second": s.prefill_tokens_per_second,
+        "decode_tokens_per_second": s.decode_tokens_per_second,
+        "stop_reason": s.stop_reason,
+    });
+}

@@ -1,0 +1,409 @@
+//! The HTTP side: routes, request logging, and turning a job's events into a JSON
+//! answer or a Server-Sent Events stream. Nothing here touches MLX.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use serde_json::json;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::serve::error::ApiError;
+use crate::serve::request::{chat_request, completion_request, JobRequest, ServedModel};
+use crate::serve::response::{Endpoint, Envelope};
+use crate::serve::worker::{Event, Job};
+
+/// What the handlers share.
+pub struct AppState {
+    pub jobs: SyncSender<Job>,
+    pub model_id: String,
+    pub max_context: Option<usize>,
+    pub drafter: String,
+    pub max_body_bytes: usize,
+    pub started: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(
+        jobs: SyncSender<Job>,
+        model_id: String,
+        max_context: Option<usize>,
+        drafter: String,
+        max_body_bytes: usize,
+    ) -> Self {
+        Self {
+            jobs,
+            model_id,
+            max_context,
+            drafter,
+            max_body_bytes,
+            started: unix_seconds(),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(log_requests))
+}
+
+/// One stderr line per request, written when it ends.
+#[derive(Clone)]
+struct RequestLog {
+    method: Method,
+    path: String,
+    start: Instant,
+}
+
+impl RequestLog {
+    fn write(&self, status: u16, tokens: Option<usize>, note: &str) {
+        let tokens = tokens.map_or_else(|| "-".to_string(), |t| t.to_string());
+        eprintln!(
+            "[dspec] {} {} {} tokens={} {:.0}ms{}",
+            self.method,
+            self.path,
+            status,
+            tokens,
+            self.start.elapsed().as_secs_f64() * 1e3,
+            note
+        );
+    }
+}
+
+/// Marks a response whose log line is written by its stream, when it ends.
+#[derive(Clone)]
+struct LoggedByStream;
+
+/// Tokens generated for a response, for its log line.
+#[derive(Clone)]
+struct Tokens(usize);
+
+async fn log_requests(mut req: Request, next: Next) -> Response {
+    let log = RequestLog {
+        method: req.method().clone(),
+        path: req.uri().path().to_string(),
+        start: Instant::now(),
+    };
+    req.extensions_mut().insert(log.clone());
+    let response = next.run(req).await;
+    if response.extensions().get::<LoggedByStream>().is_none() {
+        let tokens = response.extensions().get::<Tokens>().map(|t| t.0);
+        log.write(response.status().as_u16(), tokens, "");
+    }
+    response
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no route {} {}; dspec serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({"status": "ok", "model": state.model_id, "drafter": state.drafter}))
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_id,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "dspec",
+            "max_model_len": state.max_context,
+        }],
+    }))
+}
+
+async fn chat(
+    State(state): State<Arc<AppState>>,
+    Extension(log): Extension<RequestLog>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(state, log, Endpoint::Chat, body).await
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    Extension(log): Extension<RequestLog>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(state, log, Endpoint::Completions, body).await
+}
+
+/// Raises a job's cancel flag when dropped before the job is done: the handler's
+/// future (a client gone before a plain answer) or the stream (a client gone mid-stream).
+struct Cancellation {
+    flag: Arc<AtomicBool>,
+    log: RequestLog,
+    done: bool,
+    pieces: usize,
+}
+
+impl Drop for Cancellation {
+    fn drop(&mut self) {
+        if !self.done {
+            self.flag.store(true, Ordering::Relaxed);
+            self.log.write(
+                499,
+                None,
+                &format!(
+                    " client went away after {} text pieces; generation cancelled",
+                    self.pieces
+                ),
+            );
+        }
+    }
+}
+
+fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
+    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!(
+                "the request body is over {limit} bytes; send a shorter one (or start the server with a larger --max-body-bytes)"
+            ),
+            param: None,
+            code: Some("request_too_large"),
+        };
+    }
+    ApiError::invalid(
+        "body",
+        format!("reading the request body: {}", rejection.body_text()),
+    )
+}
+
+fn parse(endpoint: Endpoint, body: &[u8], served: &ServedModel) -> Result<JobRequest, ApiError> {
+    match endpoint {
+        Endpoint::Chat => chat_request(body, served),
+        Endpoint::Completions => completion_request(body, served),
+    }
+}
+
+async fn handle(
+    state: Arc<AppState>,
+    log: RequestLog,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let served = ServedModel {
+        id: &state.model_id,
+        max_context: state.max_context,
+    };
+    let request = match body
+        .map_err(|r| body_error(r, state.max_body_bytes))
+        .and_then(|b| parse(endpoint, &b, &served))
+    {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let stream = request.stream;
+    let (events_tx, mut events) = unbounded_channel();
+    let mut cancellation = Cancellation {
+        flag: Arc::new(AtomicBool::new(false)),
+        log,
+        done: true,
+        pieces: 0,
+    };
+    let job = Job {
+        request,
+        events: events_tx,
+        cancel: cancellation.flag.clone(),
+    };
+    match state.jobs.try_send(job) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            return ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "the server's queue is full; retry later (or start it with a larger --queue-size)",
+            )
+            .with_code("queue_full")
+            .into_response()
+        }
+        Err(TrySendError::Disconnected(_)) => {
+            return ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the model thread has stopped",
+            )
+            .into_response()
+        }
+    }
+    cancellation.done = false;
+    match events.recv().await {
+        Some(Event::Started) => {}
+        Some(Event::Failed(e)) => {
+            cancellation.done = true;
+            return e.into_response();
+        }
+        _ => {
+            cancellation.done = true;
+            return worker_gone().into_response();
+        }
+    }
+    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let envelope = Envelope {
+        endpoint,
+        id: match endpoint {
+            Endpoint::Chat => format!("chatcmpl-{id}"),
+            Endpoint::Completions => format!("cmpl-{id}"),
+        },
+        created: unix_seconds(),
+        model: state.model_id.clone(),
+    };
+    if stream {
+        return streamed(envelope, events, cancellation);
+    }
+    loop {
+        match events.recv().await {
+            Some(Event::Text(_)) => cancellation.pieces += 1,
+            Some(Event::Started) => {}
+            Some(Event::Done(done)) => {
+                cancellation.done = true;
+                let mut response = Json(envelope.complete(&done)).into_response();
+                response
+                    .extensions_mut()
+                    .insert(Tokens(done.stats.generated_tokens));
+                return response;
+            }
+            Some(Event::Failed(e)) => {
+                cancellation.done = true;
+                return e.into_response();
+            }
+            None => {
+                cancellation.done = true;
+                return worker_gone().into_response();
+            }
+        }
+    }
+}
+
+fn worker_gone() -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the model thread dropped this request; see the server's log",
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Opening,
+    Text,
+    Closing,
+    Ended,
+}
+
+/// A stream in progress; dropping it early (the client left) cancels the job.
+struct StreamState {
+    envelope: Envelope,
+    events: UnboundedReceiver<Event>,
+    phase: Phase,
+    cancellation: Cancellation,
+}
+
+fn sse(value: &serde_json::Value) -> Result<SseEvent, Infallible> {
+    Ok(SseEvent::default().data(value.to_string()))
+}
+
+impl StreamState {
+    /// The next event to send, `None` once `[DONE]` is out.
+    async fn next(&mut self) -> Option<Result<SseEvent, Infallible>> {
+        loop {
+            match self.phase {
+                Phase::Opening => {
+                    self.phase = Phase::Text;
+                    if self.envelope.endpoint == Endpoint::Chat {
+                        return Some(sse(&self.envelope.chunk(None)));
+                    }
+                }
+                Phase::Text => {
+                    let event = self.events.recv().await;
+                    let (status, body, tokens) = match event {
+                        Some(Event::Started) => continue,
+                        Some(Event::Text(t)) => {
+                            self.cancellation.pieces += 1;
+                            return Some(sse(&self.envelope.chunk(Some(&t))));
+                        }
+                        Some(Event::Done(done)) => (
+                            200,
+                            self.envelope.last_chunk(&done),
+                            Some(done.stats.generated_tokens),
+                        ),
+                        // Headers are out: a failure now can only be told in the stream.
+                        Some(Event::Failed(e)) => (e.status.as_u16(), e.body(), None),
+                        None => (500, worker_gone().body(), None),
+                    };
+                    self.phase = Phase::Closing;
+                    self.cancellation.done = true;
+                    self.cancellation.log.write(status, tokens, " streamed");
+                    return Some(sse(&body));
+                }
+                Phase::Closing => {
+                    self.phase = Phase::Ended;
+                    return Some(Ok(SseEvent::default().data("[DONE]")));
+                }
+                Phase::Ended => return None,
+            }
+        }
+    }
+}
+
+fn streamed(
+    envelope: Envelope,
+    events: UnboundedReceiver<Event>,
+    cancellation: Cancellation,
+) -> Response {
+    let state = StreamState {
+        envelope,
+        events,
+        phase: Phase::Opening,
+        cancellation,
+    };
+    let stream = futures_util::stream::unfold(state, |mut state| async move {
+        state.next().await.map(|event| (event, state))
+    });
+    let mut response = Sse::new(stream).into_response();
+    response.extensions_mut().insert(LoggedByStream);
+    response
+}

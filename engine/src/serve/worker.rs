@@ -1,0 +1,257 @@
+//! The one thread that owns the model, the drafter and every MLX array: it loads them,
+//! then takes jobs off the queue one at a time and streams each one's text back.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use tokio::sync::mpsc::UnboundedSender;
+
+use dspec_plugin_api::Drafter;
+
+use crate::decoding::generate::{GenerationConfig, GenerationStats, StopReason};
+use crate::decoding::speculative::{
+    generate_speculative_cancellable, Speculation, SpeculativeStats,
+};
+use crate::error::EngineError;
+use crate::loading::LoadedModel;
+use crate::serve::error::ApiError;
+use crate::serve::request::{JobRequest, Prompt};
+use crate::text::chat_template::ChatTemplate;
+
+/// A loaded target and its drafter, as the loader hands them to the worker.
+pub struct Engine {
+    pub loaded: LoadedModel,
+    pub drafter: Box<dyn Drafter>,
+    /// Most drafts per round and whether the count adapts (`--max-draft`).
+    pub max_draft: usize,
+    pub adaptive: bool,
+    /// `max_tokens` of requests that give none (`--max-tokens`).
+    pub default_max_tokens: usize,
+}
+
+/// Builds the [`Engine`] on the worker thread, where its arrays must live.
+pub type Loader = Box<dyn FnOnce() -> Result<Engine, EngineError> + Send>;
+
+/// What the HTTP side learns of the model once it is loaded.
+#[derive(Debug, Clone)]
+pub struct ModelFacts {
+    pub max_context: Option<usize>,
+    pub drafter: String,
+}
+
+/// A request on the queue: what to generate, where its events go, and the flag its
+/// HTTP side raises when the client is gone.
+pub struct Job {
+    pub request: JobRequest,
+    pub events: UnboundedSender<Event>,
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// How a job goes, in order: `Started` or `Failed` first, then `Text`s and `Done`.
+#[derive(Debug)]
+pub enum Event {
+    Started,
+    Text(String),
+    Done(Box<Finished>),
+    Failed(ApiError),
+}
+
+/// A finished generation's text and numbers.
+#[derive(Debug)]
+pub struct Finished {
+    pub text: String,
+    pub stats: GenerationStats,
+    pub speculative: SpeculativeStats,
+}
+
+/// Starts the worker, which loads with `load` and then serves `jobs` until every
+/// sender is gone. Returns once loading is done, with its outcome.
+pub fn spawn(load: Loader, jobs: Receiver<Job>) -> Result<ModelFacts, EngineError> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("dspec-model".into())
+        .spawn(move || run(load, jobs, ready_tx))
+        .map_err(|e| EngineError::Invalid(format!("starting the model thread: {e}")))?;
+    ready_rx.recv().unwrap_or_else(|_| {
+        Err(EngineError::Invalid(
+            "the model thread ended while loading".into(),
+        ))
+    })
+}
+
+fn run(load: Loader, jobs: Receiver<Job>, ready: SyncSender<Result<ModelFacts, EngineError>>) {
+    let mut engine = match load() {
+        Ok(engine) => engine,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let facts = ModelFacts {
+        max_context: engine.loaded.model.info().max_context,
+        drafter: engine.drafter.name().to_string(),
+    };
+    if ready.send(Ok(facts)).is_err() {
+        return;
+    }
+    let template = match engine.loaded.tokenizer.chat_template() {
+        Some(source) => ChatTemplate::new(
+            source,
+            engine.loaded.tokenizer.bos_token(),
+            engine.loaded.tokenizer.eos_token(),
+        )
+        .map_err(|e| e.to_string()),
+        None => Err("the model has no chat template; use /v1/completions with raw text".into()),
+    };
+    while let Ok(job) = jobs.recv() {
+        // A client that left while queued costs nothing.
+        if job.cancel.load(Ordering::Relaxed) {
+            continue;
+        }
+        let events = job.events.clone();
+        // A bug in one request must not take the server down with it.
+        let outcome = catch_unwind(AssertUnwindSafe(|| serve(&mut engine, &template, job)));
+        if outcome.is_err() {
+            let _ = events.send(Event::Failed(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "dspec failed on this request (an internal error; see the server's log)",
+            )));
+        }
+    }
+}
+
+/// The prompt as token ids, or the request's fault.
+fn encode(
+    engine: &Engine,
+    template: &Result<ChatTemplate, String>,
+    prompt: &Prompt,
+) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = &engine.loaded.tokenizer;
+    let ids = match prompt {
+        Prompt::Text(text) => tokenizer
+            .encode_prompt(text, false)
+            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        Prompt::Chat(messages) => {
+            let template = template
+                .as_ref()
+                .map_err(|e| ApiError::invalid("messages", e.clone()))?;
+            let rendered = template
+                .render(messages, true, &serde_json::Map::new())
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            tokenizer
+                .encode_prompt(&rendered, true)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+        }
+    };
+    let param = prompt.param();
+    if ids.is_empty() {
+        return Err(ApiError::invalid(
+            param,
+            format!("`{param}` is empty after tokenization; give some text"),
+        ));
+    }
+    Ok(ids)
+}
+
+/// How many tokens a job may generate: what it asked for, else the server's default
+/// cut to the context left.
+fn max_tokens(engine: &Engine, request: &JobRequest, prompt: usize) -> Result<usize, ApiError> {
+    let limit = engine.loaded.model.info().max_context.unwrap_or(usize::MAX);
+    if prompt >= limit {
+        return Err(ApiError::invalid(
+            request.prompt.param(),
+            format!(
+                "the prompt has {prompt} tokens but the model's context is {limit}; shorten it"
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let left = limit - prompt;
+    match request.max_tokens {
+        Some(m) if m > left => Err(ApiError::invalid(
+            request.max_tokens_param,
+            format!("the prompt ({prompt} tokens) and `{}` ({m}) exceed the model's context of {limit} tokens; ask for at most {left}", request.max_tokens_param),
+        )
+        .with_code("context_length_exceeded")),
+        Some(m) => Ok(m),
+        None => Ok(engine.default_max_tokens.min(left)),
+    }
+}
+
+fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job) {
+    let Job {
+        request,
+        events,
+        cancel,
+    } = job;
+    let prepared = encode(engine, template, &request.prompt).and_then(|ids| {
+        let max = max_tokens(engine, &request, ids.len())?;
+        Ok((ids, max))
+    });
+    let (prompt, max_tokens) = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = events.send(Event::Failed(e));
+            return;
+        }
+    };
+    if events.send(Event::Started).is_err() {
+        return;
+    }
+    let config = GenerationConfig {
+        max_tokens,
+        sampling: request.sampling,
+        stop_strings: request.stop,
+        eos_ids: engine.loaded.tokenizer.eos_token_ids().to_vec(),
+    };
+    let mut on_text = |piece: &str| {
+        // The receiver is gone once the client is: stop generating for nobody.
+        if events.send(Event::Text(piece.to_string())).is_err() {
+            cancel.store(true, Ordering::Relaxed);
+        }
+    };
+    let outcome = generate_speculative_cancellable(
+        engine.loaded.model.as_ref(),
+        &engine.loaded.tokenizer,
+        &prompt,
+        &config,
+        Speculation {
+            drafter: engine.drafter.as_mut(),
+            max_draft: engine.max_draft,
+            adaptive: engine.adaptive,
+            trace: None,
+        },
+        &mut on_text,
+        &|| cancel.load(Ordering::Relaxed),
+    );
+    let event = match outcome {
+        Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
+            eprintln!(
+                "[dspec] generation cancelled after {} of {max_tokens} tokens: the client went away",
+                out.stats.generated_tokens
+            );
+            return;
+        }
+        Ok(out) => Event::Done(Box::new(Finished {
+            text: out.text,
+            stats: out.stats,
+            speculative: out.speculative,
+        })),
+        Err(e) => Event::Failed(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("generation failed: {e}"),
+        )),
+    };
+    let _ = events.send(event);
+}
+
+/// OpenAI's `finish_reason` for how a generation ended.
+pub fn finish_reason(stop: StopReason) -> &'static str {
+    match stop {
+        StopReason::Eos | StopReason::StopString | StopReason::Cancelled => "stop",
+        StopReason::MaxTokens | StopReason::ContextLength => "length",
+    }
+}

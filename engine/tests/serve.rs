@@ -1,0 +1,502 @@
+//! `dspec serve` end to end: the binary on a tiny model, listening on 127.0.0.1 with a
+//! port it picks, spoken to by a plain HTTP client.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::channel;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use dspec_engine::tiny_model::write_tiny_model;
+
+/// A running server; killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<Vec<String>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// `dspec serve` on a fresh tiny model; `drafter` as --drafter takes it, with
+    /// `{dir}` standing for the model's directory.
+    fn start(drafter: &str, extra: &[&str]) -> Server {
+        Self::start_on("{}", drafter, extra)
+    }
+
+    /// [`Server::start`] on the tiny model with `overrides` of its config.
+    fn start_on(overrides: &str, drafter: &str, extra: &[&str]) -> Server {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_tiny_model(dir.path(), overrides, 7).expect("tiny model");
+        let model = dir.path().to_str().expect("utf-8 path").to_string();
+        let drafter = drafter.replace("{dir}", &model);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dspec"))
+            .args(["serve", "--target", &model, "--drafter", &drafter])
+            .args(["--port", "0", "--served-model-name", "tiny"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start dspec serve");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (addr_tx, addr_rx) = channel();
+        let lines = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(at) = line.find("http://") {
+                    let addr = line[at + 7..].split_whitespace().next().unwrap_or("");
+                    let _ = addr_tx.send(addr.to_string());
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("no address from dspec serve: {:?}", log.lock().unwrap()));
+        Server {
+            child,
+            addr,
+            log,
+            _dir: dir,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        answer(ureq::post(&self.url(path)).send_json(body.clone()))
+    }
+
+    fn get(&self, path: &str) -> (u16, Value) {
+        answer(ureq::get(&self.url(path)).call())
+    }
+
+    /// Waits until a stderr line contains `text`.
+    fn wait_for_log(&self, text: &str) -> String {
+        self.wait_for_logs(text, 1)
+    }
+
+    /// Waits until `count` stderr lines contain `text`; returns the last of them.
+    fn wait_for_logs(&self, text: &str, count: usize) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let found: Vec<String> = self
+                .log
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains(text))
+                .cloned()
+                .collect();
+            if found.len() >= count {
+                return found[count - 1].clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line with {text:?}: {:?}",
+                self.log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn answer(result: Result<ureq::Response, ureq::Error>) -> (u16, Value) {
+    let response = match result {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("request failed: {e}"),
+    };
+    let status = response.status();
+    let body = response.into_json().expect("a JSON body");
+    (status, body)
+}
+
+/// The `data:` payloads of a streamed response, `[DONE]` included.
+fn stream(server: &Server, path: &str, body: &Value) -> Vec<String> {
+    let response = ureq::post(&server.url(path))
+        .send_json(body.clone())
+        .expect("streamed request");
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.header("content-type"),
+        Some("text/event-stream"),
+        "SSE content type"
+    );
+    BufReader::new(response.into_reader())
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+fn chat_body(extra: Value) -> Value {
+    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
+                          "max_tokens": 12, "temperature": 0});
+    for (k, v) in extra.as_object().expect("object").iter() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+fn dspec_stats(body: &Value) -> &Value {
+    let stats = &body["dspec"];
+    for key in [
+        "tau",
+        "drafted",
+        "accepted",
+        "acceptance_histogram",
+        "decode_tokens_per_second",
+    ] {
+        assert!(!stats[key].is_null(), "dspec.{key} missing: {body}");
+    }
+    stats
+}
+
+#[test]
+fn chat_completions_stream_the_same_text_they_answer_whole() {
+    let server = Server::start("ngram", &[]);
+    assert_eq!(server.get("/health").0, 200);
+    let (status, models) = server.get("/v1/models");
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["id"], "tiny");
+
+    let (status, whole) = server.post("/v1/chat/completions", &chat_body(json!({})));
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    let text = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    let usage = &whole["usage"];
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 0, "{whole}");
+    let completion_tokens = usage["completion_tokens"].as_u64().unwrap();
+    assert!((1..=12).contains(&completion_tokens), "{whole}");
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["prompt_tokens"].as_u64().unwrap() + completion_tokens)
+    );
+    dspec_stats(&whole);
+
+    let events = stream(
+        &server,
+        "/v1/chat/completions",
+        &chat_body(json!({"stream": true})),
+    );
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk JSON"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut streamed = String::new();
+    for chunk in &chunks {
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        assert_eq!(chunk["id"], chunks[0]["id"], "one id per stream");
+        if let Some(piece) = chunk["choices"][0]["delta"]["content"].as_str() {
+            streamed.push_str(piece);
+        }
+    }
+    assert_eq!(
+        streamed, text,
+        "greedy: streamed deltas equal the whole answer"
+    );
+    let last = chunks.last().expect("chunks");
+    assert_eq!(
+        last["choices"][0]["finish_reason"],
+        whole["choices"][0]["finish_reason"]
+    );
+    assert_eq!(last["usage"], whole["usage"]);
+    dspec_stats(last);
+    server.wait_for_log("POST /v1/chat/completions 200");
+}
+
+#[test]
+fn completions_end_before_a_stop_string_and_a_twin_drafter_keeps_every_draft() {
+    // The draft model is the target itself: every greedy draft is the target's own
+    // choice, so each round keeps them all.
+    let server = Server::start("model:{dir}", &["--max-draft", "4"]);
+    let body =
+        json!({"model": "tiny", "prompt": "once upon a time", "max_tokens": 24, "temperature": 0});
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "text_completion");
+    let stats = dspec_stats(&whole);
+    assert!(stats["tau"].as_f64().unwrap() > 1.5, "{whole}");
+    assert_eq!(stats["drafted"], stats["accepted"], "{whole}");
+
+    let text = whole["choices"][0]["text"].as_str().expect("text");
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 4, "a text long enough to cut: {text:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let expected = &text[..text.find(&stop).expect("stop occurs")];
+    let (status, cut) = server.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "once upon a time", "max_tokens": 24, "temperature": 0,
+                "stop": [stop, "never appears"]}),
+    );
+    assert_eq!(status, 200, "{cut}");
+    assert_eq!(cut["choices"][0]["text"], expected, "{cut}");
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+
+    // Sampled requests speculate too, and a seed makes them repeatable.
+    let sampled = json!({"model": "tiny", "prompt": "once upon a time", "max_tokens": 16,
+                         "temperature": 0.8, "top_p": 0.9, "seed": 11});
+    let (status, a) = server.post("/v1/completions", &sampled);
+    assert_eq!(status, 200, "{a}");
+    let (_, b) = server.post("/v1/completions", &sampled);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert!(dspec_stats(&a)["drafted"].as_u64().unwrap() > 0, "{a}");
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let server = Server::start("ngram", &["--max-body-bytes", "2048"]);
+    let error = |status: u16, body: &Value, want: u16, param: Option<&str>| {
+        assert_eq!(status, want, "{body}");
+        let e = &body["error"];
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{body}"
+        );
+        assert!(e["type"].is_string(), "{body}");
+        if let Some(p) = param {
+            assert_eq!(e["param"], p, "{body}");
+        }
+    };
+    let raw = ureq::post(&server.url("/v1/chat/completions"))
+        .set("content-type", "application/json")
+        .send_string("{\"messages\": [");
+    let (status, body) = answer(raw);
+    error(status, &body, 400, Some("body"));
+
+    for (extra, param) in [
+        (json!({"temperature": -1}), "temperature"),
+        (json!({"top_p": 0}), "top_p"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"max_tokens": 100000}), "max_tokens"),
+        (json!({"n": 2}), "n"),
+        (json!({"logprobs": true}), "logprobs"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (json!({"messages": "hi"}), "messages"),
+    ] {
+        let (status, body) = server.post("/v1/chat/completions", &chat_body(extra));
+        error(status, &body, 400, Some(param));
+    }
+    let (status, body) = server.post(
+        "/v1/chat/completions",
+        &chat_body(json!({"model": "gpt-4o"})),
+    );
+    error(status, &body, 404, Some("model"));
+
+    // 300 byte tokens: over the tiny model's 256-token context.
+    let long = "ab".repeat(150);
+    let (status, body) = server.post("/v1/completions", &json!({"prompt": long, "max_tokens": 4}));
+    error(status, &body, 400, Some("prompt"));
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+    // 200 prompt tokens fit, but not with 100 more.
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "ab".repeat(100), "max_completion_tokens": 100}),
+    );
+    error(status, &body, 400, Some("max_completion_tokens"));
+    assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+    let (status, body) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "hi", "max_tokens": 4, "padding": "x".repeat(4000)}),
+    );
+    error(status, &body, 413, None);
+    let (status, body) = server.get("/v1/nothing");
+    error(status, &body, 404, None);
+
+    let (status, body) = server.post("/v1/chat/completions", &chat_body(json!({})));
+    assert_eq!(status, 200, "still serving after bad requests: {body}");
+    server.wait_for_log("POST /v1/chat/completions 400");
+}
+
+/// Wider and with a longer context than the usual tiny model, so that a long
+/// generation keeps the model busy for seconds.
+const BIGGER: &str = r#"{"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+                          "max_position_embeddings": 2048}"#;
+
+/// A greedy request that runs to 1000 tokens on [`BIGGER`].
+fn long_request() -> Value {
+    json!({"model": "tiny", "prompt": "tell me everything", "max_tokens": 1000, "temperature": 0})
+}
+
+#[test]
+fn a_full_queue_answers_429_and_no_answer_is_lost_or_mixed() {
+    let server = Arc::new(Server::start_on(BIGGER, "ngram", &["--queue-size", "1"]));
+    let body = |i: usize| json!({"model": "tiny", "prompt": format!("client {i} says"), "max_tokens": 8, "temperature": 0});
+    // Each client's own answer, asked alone.
+    let alone: Vec<Value> = (0..4)
+        .map(|i| server.post("/v1/completions", &body(i)).1["choices"][0]["text"].clone())
+        .collect();
+    // The model busy with a long stream: one client may wait, the others are refused.
+    let mut long = long_request();
+    long["stream"] = json!(true);
+    let busy = open_stream(&server, &long);
+    let (answers_tx, answers) = channel();
+    for i in 0..4 {
+        let server = server.clone();
+        let body = body(i);
+        let answers_tx = answers_tx.clone();
+        std::thread::spawn(move || {
+            let _ = answers_tx.send((i, server.post("/v1/completions", &body)));
+        });
+    }
+    let mut refused = 0;
+    let mut served = 0;
+    for n in 0..4 {
+        if n == 3 {
+            // Three refused while the long stream runs: free the model for the fourth.
+            let _ = busy.shutdown(std::net::Shutdown::Both);
+        }
+        let (i, (status, answer)) = answers
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every client gets an answer");
+        match status {
+            200 => {
+                assert_eq!(
+                    answer["choices"][0]["text"], alone[i],
+                    "client {i} got its own text"
+                );
+                served += 1;
+            }
+            429 => {
+                assert_eq!(answer["error"]["type"], "rate_limit_error", "{answer}");
+                refused += 1;
+            }
+            other => panic!("client {i}: status {other}: {answer}"),
+        }
+    }
+    assert_eq!(
+        (served, refused),
+        (1, 3),
+        "queue of one behind a busy model"
+    );
+    drop(busy);
+}
+
+/// Sends a streamed request on a raw socket and reads until the first text chunk.
+fn open_stream(server: &Server, body: &Value) -> TcpStream {
+    let mut socket = TcpStream::connect(&server.addr).expect("connect");
+    let payload = body.to_string();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        server.addr,
+        payload.len()
+    )
+    .expect("send");
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 512];
+    while !String::from_utf8_lossy(&seen).contains("\"text\"") {
+        let n = socket.read(&mut buf).expect("read the stream");
+        assert!(
+            n > 0,
+            "stream ended early: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    socket
+}
+
+#[test]
+fn a_client_that_disconnects_cancels_its_generation() {
+    let server = Server::start_on(BIGGER, "ngram", &[]);
+    let mut body = long_request();
+    // Unhindered, the request runs to its limit (so a shorter count below is a cancel).
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(
+        whole["usage"]["completion_tokens"], 1000,
+        "{}",
+        whole["usage"]
+    );
+    body["stream"] = json!(true);
+    let socket = open_stream(&server, &body);
+    // The model is busy; the HTTP side is not.
+    let (status, _) = server.get("/health");
+    assert_eq!(status, 200);
+    drop(socket);
+    let cancelled_after = |nth: usize| -> usize {
+        let line = server.wait_for_logs("generation cancelled after", nth);
+        line.split("after ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("a token count in {line:?}"))
+    };
+    assert!(cancelled_after(1) < 1000);
+    server.wait_for_log("client went away");
+
+    // A client waiting for a whole answer that leaves cancels it too.
+    body["stream"] = json!(false);
+    let mut socket = TcpStream::connect(&server.addr).expect("connect");
+    let payload = body.to_string();
+    write!(
+        socket,
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        server.addr,
+        payload.len()
+    )
+    .expect("send");
+    // Well inside the seconds the whole answer takes.
+    std::thread::sleep(Duration::from_millis(1000));
+    drop(socket);
+    assert!(cancelled_after(2) < 1000);
+    let (status, body) = server.post("/v1/chat/completions", &chat_body(json!({})));
+    assert_eq!(status, 200, "serving the next request: {body}");
+}
+
+#[test]
+fn a_port_in_use_or_a_missing_model_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(dir.path(), "{}", 7).expect("tiny model");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port().to_string();
+    let run = |target: &str| {
+        Command::new(env!("CARGO_BIN_EXE_dspec"))
+            .args(["serve", "--target", target, "--drafter", "ngram"])
+            .args(["--port", &port])
+            .output()
+            .expect("run dspec serve")
+    };
+    let out = run(dir.path().to_str().expect("utf-8 path"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!("--port {port}")) && err.contains("cannot listen"),
+        "{err}"
+    );
+    let missing = dir.path().join("absent");
+    let out = run(missing.to_str().expect("utf-8 path"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("absent") && !err.contains("panicked"), "{err}");
+}
