@@ -393,7 +393,13 @@ fn auto_draft_length_decodes_plainly_while_drafts_fail() {
         "one-draft probes keep measuring acceptance: {:?}",
         s.draft_histogram
     );
-    assert_eq!(s.draft_histogram[6], 3, "the warm-up drafts the maximum");
+    // The warm-up's three rounds draft the maximum; a later round may too, where a
+    // loaded machine made a plain step look dear (the choice follows measured times).
+    assert!(
+        s.draft_histogram[6] >= 3,
+        "the warm-up drafts the maximum: {:?}",
+        s.draft_histogram
+    );
     // Plain steps reach the drafter in batches, each commit checked by the oracle, and
     // a long run in pieces the drafter can read while it goes on.
     assert!(
