@@ -398,6 +398,55 @@ fn a_full_queue_answers_429_and_no_answer_is_lost_or_mixed() {
     drop(busy);
 }
 
+/// A bounded load: 16 clients × 4 requests at once against a queue of 4. Every request
+/// is answered, 200 with the text its prompt gets when asked alone or 429 as an OpenAI
+/// error, and the server still answers afterwards.
+#[test]
+fn sixteen_clients_at_once_get_their_own_answers_or_429() {
+    let server = Arc::new(Server::start("ngram", &["--queue-size", "4"]));
+    let body = |i: usize| json!({"model": "tiny", "prompt": format!("client {i} asks"), "max_tokens": 6, "temperature": 0});
+    let alone: Vec<Value> = (0..16)
+        .map(|i| server.post("/v1/completions", &body(i)).1["choices"][0]["text"].clone())
+        .collect();
+    let (answers_tx, answers) = channel();
+    for i in 0..16 {
+        let server = server.clone();
+        let answers_tx = answers_tx.clone();
+        std::thread::spawn(move || {
+            for _ in 0..4 {
+                let _ = answers_tx.send((i, server.post("/v1/completions", &body(i))));
+            }
+        });
+    }
+    drop(answers_tx);
+    let (mut served, mut refused) = (0, 0);
+    for _ in 0..64 {
+        let (i, (status, answer)) = answers
+            .recv_timeout(Duration::from_secs(120))
+            .expect("every request gets an answer");
+        match status {
+            200 => {
+                assert_eq!(
+                    answer["choices"][0]["text"], alone[i],
+                    "client {i}'s own text"
+                );
+                served += 1;
+            }
+            429 => {
+                assert_eq!(answer["error"]["type"], "rate_limit_error", "{answer}");
+                refused += 1;
+            }
+            other => panic!("client {i}: status {other}: {answer}"),
+        }
+    }
+    assert_eq!(served + refused, 64);
+    assert!(served >= 1, "some requests are served");
+    let (status, _) = server.get("/health");
+    assert_eq!(status, 200, "still serving after the load");
+    let (status, answer) = server.post("/v1/completions", &body(3));
+    assert_eq!((status, &answer["choices"][0]["text"]), (200, &alone[3]));
+}
+
 /// Sends a streamed request on a raw socket and reads until the first text chunk.
 fn open_stream(server: &Server, body: &Value) -> TcpStream {
     let mut socket = TcpStream::connect(&server.addr).expect("connect");
