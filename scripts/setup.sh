@@ -3,14 +3,18 @@
 # (mlx-c), libclang (bindgen), pip (fetches the pinned MLX wheel at build time) and
 # OpenBLAS (a much faster CPU BLAS than the wheel's bundled reference BLAS; the build
 # uses it when present). With --lint, also rustfmt and clippy (through rustup), which
-# scripts/test.sh runs before the tests. Safe to re-run: installs only what is missing.
+# scripts/test.sh runs before the tests. With --test-clients, also the official `openai`
+# Python client (pinned, into target/openai-client), which the server's tests speak
+# through. Safe to re-run: installs only what is missing.
 set -euo pipefail
 
 lint=false
+clients=false
 for arg in "$@"; do
   case "$arg" in
     --lint) lint=true ;;
-    *) echo "setup: unknown option $arg (known: --lint)" >&2; exit 2 ;;
+    --test-clients) clients=true ;;
+    *) echo "setup: unknown option $arg (known: --lint, --test-clients)" >&2; exit 2 ;;
   esac
 done
 
@@ -50,5 +54,20 @@ if $lint; then
       echo "setup: rustup could not add ${tools[*]} (see above); run \`rustup component add ${tools[*]}\` once with network access" >&2
       exit 1
     }
+  fi
+fi
+
+if $clients; then
+  # Pinned so that the tests speak to the client they were written against.
+  openai_version=3.51.0
+  dest="$(cd "$(dirname "$0")/.." && pwd)/target/openai-client"
+  if [ ! -f "$dest/.installed-$openai_version" ]; then
+    echo "setup: installing the openai Python client $openai_version into $dest" >&2
+    rm -rf "$dest"
+    PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --disable-pip-version-check --no-warn-conflicts --target "$dest" "openai==$openai_version" || {
+      echo "setup: pip could not install openai==$openai_version (see above); the server's client test needs it: re-run with network access" >&2
+      exit 1
+    }
+    touch "$dest/.installed-$openai_version"
   fi
 fi

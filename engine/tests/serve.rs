@@ -12,12 +12,14 @@ use serde_json::{json, Value};
 
 use dspec_engine::tiny_model::write_tiny_model;
 
+mod common;
+
 /// A running server; killed when dropped.
 struct Server {
     child: Child,
     addr: String,
     log: Arc<Mutex<Vec<String>>>,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Server {
@@ -32,6 +34,17 @@ impl Server {
         let dir = tempfile::tempdir().expect("temp dir");
         write_tiny_model(dir.path(), overrides, 7).expect("tiny model");
         let model = dir.path().to_str().expect("utf-8 path").to_string();
+        Self::start_model(&model, Some(dir), drafter, extra)
+    }
+
+    /// `dspec serve` on the model directory `model`, served as "tiny".
+    fn start_model(
+        model: &str,
+        dir: Option<tempfile::TempDir>,
+        drafter: &str,
+        extra: &[&str],
+    ) -> Server {
+        let model = model.to_string();
         let drafter = drafter.replace("{dir}", &model);
         let mut child = Command::new(env!("CARGO_BIN_EXE_dspec"))
             .args(["serve", "--target", &model, "--drafter", &drafter])
@@ -548,4 +561,80 @@ fn a_port_in_use_or_a_missing_model_is_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("absent") && !err.contains("panicked"), "{err}");
+}
+
+/// What the official `openai` Python client gets from the server: the model list, a
+/// chat answer, the same answer streamed, a completion cut at a stop string, and the
+/// drafter's stats on a repetitive prompt. Printed as one JSON object.
+const OPENAI_CLIENT_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
+out = {"models": [m.id for m in client.models.list().data]}
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+out["chat"] = answer.choices[0].message.content
+stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True)
+out["streamed"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+counted = client.completions.create(model="tiny", prompt="1, 2, 3, 4,", max_tokens=40, temperature=0, stop=[" 9"])
+out["stopped"] = counted.choices[0].text
+fox = "the quick brown fox jumps over the lazy dog. " * 3 + "the quick brown fox"
+repeated = client.completions.create(model="tiny", prompt=fox, max_tokens=32, temperature=0)
+out["tau"] = repeated.model_extra["dspec"]["tau"]
+print(json.dumps(out))
+"#;
+
+/// The official `openai` Python client (installed by `scripts/setup.sh --test-clients`)
+/// against `dspec serve` on the real SmolLM2-135M with n-gram speculation.
+#[test]
+fn the_openai_client_talks_to_dspec_serve_on_a_real_model() {
+    let client = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/openai-client");
+    assert!(
+        client.join("openai").is_dir(),
+        "the openai Python client is missing from {}: run scripts/setup.sh --test-clients",
+        client.display()
+    );
+    let (_, model) = common::fetch_real_model("smollm2");
+    let server = Server::start_model(
+        model.to_str().expect("utf-8 path"),
+        None,
+        "ngram",
+        &["--max-draft", "4"],
+    );
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(OPENAI_CLIENT_SCRIPT)
+        .arg(format!("http://{}", server.addr))
+        .env("PYTHONPATH", &client)
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "the client failed: {}\nserver log: {:?}",
+        String::from_utf8_lossy(&out.stderr),
+        server.log.lock().unwrap()
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).expect("the script's JSON");
+    assert_eq!(got["models"], json!(["tiny"]));
+    let chat = got["chat"].as_str().expect("chat text");
+    assert!(!chat.trim().is_empty(), "{got}");
+    assert_eq!(
+        got["streamed"].as_str(),
+        Some(chat),
+        "streamed deltas = whole answer"
+    );
+    let stopped = got["stopped"].as_str().expect("completion text");
+    assert!(
+        !stopped.contains(" 9"),
+        "cut before the stop string: {stopped:?}"
+    );
+    assert!(
+        stopped.contains('5'),
+        "the count goes on before the stop: {stopped:?}"
+    );
+    let tau = got["tau"].as_f64().expect("tau");
+    assert!(
+        tau > 1.0,
+        "n-gram drafts kept on a repetitive prompt: tau {tau}"
+    );
 }
