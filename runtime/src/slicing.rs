@@ -9,7 +9,10 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Stream};
 
 /// Runs one mlx-c op that writes its result into `res`.
-fn op(what: &str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array, Exception> {
+pub(crate) fn op(
+    what: &str,
+    f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32,
+) -> Result<Array, Exception> {
     // SAFETY: a fresh empty mlx_array handle is what mlx-c ops expect as output; on
     // success it holds the result and is owned by the returned Array, on failure it is
     // freed here.
