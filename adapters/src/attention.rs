@@ -16,8 +16,9 @@ use dspec_runtime::Backend;
 
 use crate::layers::{
     is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight, RmsNorm,
-    Rope,
+    Rope, Split,
 };
+use crate::tensor_parallel::TensorParallel;
 
 /// Shape and options of one attention layer.
 #[derive(Clone)]
@@ -219,39 +220,64 @@ fn visible(q_pos: &Array, k_pos: &Array, window: Option<i32>) -> Result<Array> {
 
 impl Attention {
     pub fn load(w: &mut dyn WeightSource, prefix: &str, spec: AttentionSpec) -> Result<Self> {
+        Self::load_parallel(w, prefix, spec, None)
+    }
+
+    /// [`Attention::load`] of this rank's share of the heads under `tp`: q, k and v
+    /// column-parallel (whole heads: query heads and KV heads split alike, so each rank's
+    /// query heads share its KV heads), o row-parallel (one all-sum). The layer then
+    /// runs, and its cache holds, `heads / size` query and `kv_heads / size` KV heads.
+    pub fn load_parallel(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        spec: AttentionSpec,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Self> {
         let (h, hd) = (spec.hidden, spec.head_dim);
-        let q = Linear::load(
+        let (outputs, inputs) = (tp.map(Split::Outputs), tp.map(Split::Inputs));
+        let q = Linear::load_split(
             w,
             &format!("{prefix}.q_proj"),
             h,
             spec.heads * hd * if spec.output_gate { 2 } else { 1 },
             spec.qkv_bias,
+            outputs,
         )?;
-        let k = Linear::load(
+        let k = Linear::load_split(
             w,
             &format!("{prefix}.k_proj"),
             h,
             spec.kv_heads * hd,
             spec.qkv_bias,
+            outputs,
         )?;
         let v = if spec.k_eq_v {
             None
         } else {
-            Some(Linear::load(
+            Some(Linear::load_split(
                 w,
                 &format!("{prefix}.v_proj"),
                 h,
                 spec.kv_heads * hd,
                 spec.qkv_bias,
+                outputs,
             )?)
         };
-        let o = Linear::load(
+        let o = Linear::load_split(
             w,
             &format!("{prefix}.o_proj"),
             spec.heads * hd,
             h,
             spec.o_bias,
+            inputs,
         )?;
+        // From here on the layer is its rank's share: heads split as the weights were.
+        let size = tp.map_or(1, TensorParallel::size);
+        let spec = AttentionSpec {
+            heads: spec.heads / size,
+            kv_heads: spec.kv_heads / size,
+            ..spec
+        };
         let (q_norm, k_norm) = match spec.qk_norm {
             Some((eps, style)) => (
                 Some(RmsNorm::load(

@@ -11,11 +11,13 @@ use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, Array};
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::{LoraUpdate, Quantization, WeightSource};
+use dspec_plugin_api::{LoraUpdate, Part, Quantization, WeightSource};
 use dspec_runtime::slicing::slice_axis;
 use dspec_runtime::Backend;
 
 use lora_delta::{merged_weight, LoraDelta};
+
+use crate::tensor_parallel::TensorParallel;
 
 /// Quantized weight parts, as MLX's affine quantization stores them.
 struct Quantized {
@@ -70,9 +72,29 @@ fn load_quantized(
     rows: i32,
     cols: i32,
 ) -> Result<Quantized> {
-    let weight = w.raw(&format!("{prefix}.weight"))?;
-    let scales = w.raw(&format!("{prefix}.scales"))?;
-    let biases = w.raw(&format!("{prefix}.biases"))?;
+    load_quantized_part(w, prefix, rows, cols, None)
+}
+
+/// [`load_quantized`] of a rank's `part` (`rows` and `cols` are the part's): packed
+/// rows, scales and biases are cut alike, along the outputs or, by whole quantization
+/// groups, along the inputs.
+fn load_quantized_part(
+    w: &mut dyn WeightSource,
+    prefix: &str,
+    rows: i32,
+    cols: i32,
+    part: Option<Part>,
+) -> Result<Quantized> {
+    let mut fetch = |what: &str| -> Result<Array> {
+        let name = format!("{prefix}.{what}");
+        match part {
+            Some(part) => w.raw_part(&name, part),
+            None => w.raw(&name),
+        }
+    };
+    let weight = fetch("weight")?;
+    let scales = fetch("scales")?;
+    let biases = fetch("biases")?;
     let (ws, ss) = (weight.shape().to_vec(), scales.shape().to_vec());
     let bad = |expected: Vec<i32>, actual: Vec<i32>, part: &str| ModelError::ShapeMismatch {
         name: format!("{prefix}.{part}"),
@@ -236,6 +258,19 @@ pub struct Linear {
     weight: LinearWeight,
     bias: Option<Array>,
     lora: Option<LoraDelta>,
+    /// Row-parallel (a rank's share of the inputs): the partial products of every rank
+    /// are summed across the group before the bias, which every rank holds whole.
+    reduce: Option<TensorParallel>,
+}
+
+/// How a layer's weight is split across a tensor-parallel group.
+#[derive(Clone, Copy)]
+pub enum Split<'a> {
+    /// Column-parallel: each rank computes its share of the outputs (q/k/v, gate/up).
+    Outputs(&'a TensorParallel),
+    /// Row-parallel: each rank multiplies its share of the inputs and the group sums
+    /// the results (o_proj, down_proj): one all-sum per layer.
+    Inputs(&'a TensorParallel),
 }
 
 impl Linear {
@@ -249,6 +284,22 @@ impl Linear {
         out_dim: i32,
         bias: bool,
     ) -> Result<Self> {
+        Self::load_split(w, prefix, in_dim, out_dim, bias, None)
+    }
+
+    /// [`Linear::load`] of this rank's share under `split` (`in_dim` and `out_dim` are
+    /// the whole layer's); `None` loads the whole layer.
+    pub fn load_split(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        in_dim: i32,
+        out_dim: i32,
+        bias: bool,
+        split: Option<Split>,
+    ) -> Result<Self> {
+        if let Some(split) = split {
+            return Self::load_share(w, prefix, in_dim, out_dim, bias, split);
+        }
         let update = w.lora_update(prefix, in_dim, out_dim)?;
         let to_merge = update.as_ref().filter(|u| u.switch.is_none());
         let weight = if w.contains(&format!("{prefix}.scales")) {
@@ -277,7 +328,62 @@ impl Linear {
             Some(u) => LoraDelta::new(u, weight.dtype())?,
             None => None,
         };
-        Ok(Self { weight, bias, lora })
+        Ok(Self {
+            weight,
+            bias,
+            lora,
+            reduce: None,
+        })
+    }
+
+    /// This rank's share of the layer under `split`, read as a part of each tensor.
+    fn load_share(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        in_dim: i32,
+        out_dim: i32,
+        bias: bool,
+        split: Split,
+    ) -> Result<Self> {
+        if w.lora_update(prefix, in_dim, out_dim)?.is_some() {
+            return Err(ModelError::Unsupported(format!(
+                "a LoRA adapter on `{prefix}` under tensor parallelism is not supported; \
+                 run on one process to use the adapter"
+            )));
+        }
+        let (tp, axis) = match split {
+            Split::Outputs(tp) => (tp, 0),
+            Split::Inputs(tp) => (tp, 1),
+        };
+        let part = tp.part(axis);
+        let whole = [out_dim, in_dim][axis];
+        let (start, end) = part.range(&format!("{prefix}.weight"), whole)?;
+        let (rows, cols) = match split {
+            Split::Outputs(_) => (end - start, in_dim),
+            Split::Inputs(_) => (out_dim, end - start),
+        };
+        let weight = if w.contains(&format!("{prefix}.scales")) {
+            LinearWeight::Quantized(load_quantized_part(w, prefix, rows, cols, Some(part))?)
+        } else {
+            let dense = w.tensor_part(&format!("{prefix}.weight"), &[out_dim, in_dim], part)?;
+            match maybe_quantize(dense, w.options().quantize)? {
+                Ok(q) => LinearWeight::Quantized(q),
+                Err(dense) => LinearWeight::Dense(DenseProduct::new(dense)),
+            }
+        };
+        let name = format!("{prefix}.bias");
+        let (bias, reduce) = match (bias, split) {
+            (true, Split::Outputs(_)) => (Some(w.tensor_part(&name, &[out_dim], part)?), None),
+            (true, Split::Inputs(tp)) => (Some(w.tensor(&name, &[out_dim])?), Some(tp.clone())),
+            (false, Split::Outputs(_)) => (None, None),
+            (false, Split::Inputs(tp)) => (None, Some(tp.clone())),
+        };
+        Ok(Self {
+            weight,
+            bias,
+            lora: None,
+            reduce,
+        })
     }
 
     /// `x`: `[B, L, in]`; in the row layout (`[R, 1, in]`, see [`is_row_layout`]) every
@@ -289,6 +395,10 @@ impl Linear {
         };
         let y = match &self.lora {
             Some(delta) => delta.add_to(x, y)?,
+            None => y,
+        };
+        let y = match &self.reduce {
+            Some(tp) => tp.all_sum(&y)?,
             None => y,
         };
         match &self.bias {
@@ -333,6 +443,7 @@ impl Linear {
             weight,
             bias,
             lora: None,
+            reduce: self.reduce.clone(),
         })
     }
 
@@ -343,8 +454,9 @@ impl Linear {
     pub fn fuse(parts: &[&Linear]) -> Result<Option<Linear>> {
         let mut biases = Vec::with_capacity(parts.len());
         for part in parts {
-            // A switchable LoRA update belongs to one projection: keep those apart.
-            if part.lora.is_some() {
+            // A switchable LoRA update belongs to one projection, and a row-parallel
+            // layer's sum to its own outputs: keep those apart.
+            if part.lora.is_some() || part.reduce.is_some() {
                 return Ok(None);
             }
             biases.extend(part.bias.clone());
@@ -363,6 +475,7 @@ impl Linear {
             weight,
             bias,
             lora: None,
+            reduce: None,
         }))
     }
 }
@@ -756,15 +869,34 @@ impl GatedMlp {
         bias: bool,
         act: Activation,
     ) -> Result<Self> {
-        let gate = Linear::load(w, &format!("{prefix}.gate_proj"), hidden, inner, bias)?;
-        let up = Linear::load(w, &format!("{prefix}.up_proj"), hidden, inner, bias)?;
+        Self::load_parallel(w, prefix, hidden, inner, bias, act, None)
+    }
+
+    /// [`GatedMlp::load`] of this rank's share of the hidden units under `tp`: gate and
+    /// up column-parallel, down row-parallel (one all-sum).
+    pub fn load_parallel(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        hidden: i32,
+        inner: i32,
+        bias: bool,
+        act: Activation,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Self> {
+        let (outputs, inputs) = (tp.map(Split::Outputs), tp.map(Split::Inputs));
+        let load = |w: &mut dyn WeightSource, name: &str, i: i32, o: i32, split| {
+            Linear::load_split(w, &format!("{prefix}.{name}"), i, o, bias, split)
+        };
+        let gate = load(w, "gate_proj", hidden, inner, outputs)?;
+        let up = load(w, "up_proj", hidden, inner, outputs)?;
+        let local = inner / tp.map_or(1, TensorParallel::size);
         let gate_up = match Linear::fuse(&[&gate, &up])? {
-            Some(both) => GateUp::Fused { both, inner },
+            Some(both) => GateUp::Fused { both, inner: local },
             None => GateUp::Separate { gate, up },
         };
         Ok(Self {
             gate_up,
-            down: Linear::load(w, &format!("{prefix}.down_proj"), inner, hidden, bias)?,
+            down: load(w, "down_proj", inner, hidden, inputs)?,
             act,
         })
     }
@@ -828,6 +960,7 @@ mod tests {
                 weight,
                 bias: Some(normal(&[out], seed + 100)),
                 lora: None,
+                reduce: None,
             }
         };
         let (a, b) = (linear(1, 48, Some(4)), linear(2, 16, Some(4)));

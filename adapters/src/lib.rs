@@ -6,7 +6,8 @@
 //! Modules depend one way: [`layers`] ← [`attention`] ← [`transformer`] ← [`config`] ←
 //! the family files and [`lora`]; [`layers`] ← [`gated_delta`] ← [`hybrid`] ← the hybrid
 //! family files (`qwen3_5`, `qwen3_next`); [`weights`] (the safetensors loader) sits
-//! under `config` and `lora`.
+//! under `config` and `lora`; [`tensor_parallel`] splits [`transformer`]'s decoder
+//! across an MLX distributed group.
 
 pub mod attention;
 pub mod config;
@@ -16,6 +17,7 @@ pub mod gated_delta;
 pub mod hybrid;
 pub mod layers;
 pub mod lora;
+pub mod tensor_parallel;
 pub mod transformer;
 pub mod weights;
 

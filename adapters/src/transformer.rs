@@ -16,6 +16,7 @@ use crate::attention::{
     AttentionSpec, Mask, WHOLE_BUFFER_MAX_TOKENS,
 };
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
+use crate::tensor_parallel::TensorParallel;
 
 /// Where the norms sit around each sub-block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,12 +75,25 @@ impl DecoderLayer {
         spec: &DecoderSpec,
         attn_spec: &AttentionSpec,
     ) -> Result<Self> {
+        Self::load_parallel(w, prefix, spec, attn_spec, None)
+    }
+
+    /// [`DecoderLayer::load`] of this rank's share under `tp`: attention heads and MLP
+    /// hidden units split across the group (norms whole on every rank).
+    pub fn load_parallel(
+        w: &mut dyn WeightSource,
+        prefix: &str,
+        spec: &DecoderSpec,
+        attn_spec: &AttentionSpec,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Self> {
         let (h, eps, style) = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight);
         let norm = |w: &mut dyn WeightSource, name: &str| {
             RmsNorm::load(w, &format!("{prefix}.{name}.weight"), h, eps, style)
         };
         let input_norm = norm(w, "input_layernorm")?;
-        let attn = Attention::load(w, &format!("{prefix}.self_attn"), attn_spec.clone())?;
+        let attn =
+            Attention::load_parallel(w, &format!("{prefix}.self_attn"), attn_spec.clone(), tp)?;
         let post_attn_norm = norm(w, "post_attention_layernorm")?;
         let ffn_norms = match spec.norm_layout {
             NormLayout::PreNorm => None,
@@ -88,13 +102,14 @@ impl DecoderLayer {
                 norm(w, "post_feedforward_layernorm")?,
             )),
         };
-        let mlp = GatedMlp::load(
+        let mlp = GatedMlp::load_parallel(
             w,
             &format!("{prefix}.mlp"),
             h,
             spec.intermediate_size,
             spec.mlp_bias,
             spec.activation,
+            tp,
         )?;
         let layer_scalar = if spec.layer_scalar {
             Some(w.tensor(&format!("{prefix}.layer_scalar"), &[1])?)
@@ -184,6 +199,17 @@ pub const MAX_ROWWISE_TOKENS: i32 = 32;
 
 impl Decoder {
     pub fn load(spec: DecoderSpec, w: &mut dyn WeightSource) -> Result<Self> {
+        Self::load_parallel(spec, w, None)
+    }
+
+    /// [`Decoder::load`] of this rank's share under `tp` (see
+    /// [`crate::tensor_parallel`]): the decoder layers split, the embedding, final norm
+    /// and head whole on every rank, so every rank computes the same logits.
+    pub fn load_parallel(
+        spec: DecoderSpec,
+        w: &mut dyn WeightSource,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Self> {
         let has_embedding = |w: &dyn WeightSource, p: &str| {
             ["weight", "scales"]
                 .iter()
@@ -199,11 +225,12 @@ impl Decoder {
         let embed = Embedding::load(w, &format!("{p}embed_tokens"), spec.vocab_size, h)?;
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, attn_spec) in spec.layers.iter().enumerate() {
-            layers.push(DecoderLayer::load(
+            layers.push(DecoderLayer::load_parallel(
                 w,
                 &format!("{p}layers.{i}"),
                 &spec,
                 attn_spec,
+                tp,
             )?);
         }
         let norm = RmsNorm::load(w, &format!("{p}norm.weight"), h, eps, style)?;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::{LoadOptions, LoadRequest, WeightSource};
+use dspec_plugin_api::{LoadOptions, LoadRequest, Part, WeightSource};
 
 fn is_float(dtype: Dtype) -> bool {
     matches!(
@@ -24,6 +24,8 @@ fn is_float(dtype: Dtype) -> bool {
 struct HeaderEntry {
     dtype: String,
     shape: Vec<i64>,
+    /// Byte offset of the tensor's data in its file.
+    offset: u64,
 }
 
 /// Reads and checks a safetensors header without loading data: every tensor's byte
@@ -91,7 +93,15 @@ fn read_header(path: &Path) -> Result<BTreeMap<String, HeaderEntry>> {
                 end - start
             )));
         }
-        entries.insert(name, HeaderEntry { dtype, shape });
+        let offset = 8 + header_len + start;
+        entries.insert(
+            name,
+            HeaderEntry {
+                dtype,
+                shape,
+                offset,
+            },
+        );
     }
     Ok(entries)
 }
@@ -146,8 +156,12 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Loads every tensor of one safetensors file into `tensors` (later files win on a
-/// name clash), after checking its header.
-fn load_file(file: &Path, tensors: &mut HashMap<String, (PathBuf, Array)>) -> Result<()> {
+/// name clash), after checking its header, whose entries go into `layout`.
+fn load_file(
+    file: &Path,
+    tensors: &mut HashMap<String, (PathBuf, Array)>,
+    layout: &mut HashMap<String, HeaderEntry>,
+) -> Result<()> {
     let header = read_header(file)?;
     let arrays = Array::load_safetensors(file).map_err(|e| ModelError::MlxIo {
         path: file.to_path_buf(),
@@ -166,9 +180,76 @@ fn load_file(file: &Path, tensors: &mut HashMap<String, (PathBuf, Array)>) -> Re
                 });
             }
         }
+        if let Some(entry) = header.get(&name) {
+            layout.insert(name.clone(), entry.clone());
+        }
         tensors.insert(name, (file.to_path_buf(), array));
     }
     Ok(())
+}
+
+/// MLX's dtype for a safetensors dtype name, for the types read part by part.
+fn stored_dtype(name: &str) -> Option<(Dtype, usize)> {
+    Some(match name {
+        "F32" => (Dtype::Float32, 4),
+        "F16" => (Dtype::Float16, 2),
+        "BF16" => (Dtype::Bfloat16, 2),
+        "U32" => (Dtype::Uint32, 4),
+        "I32" => (Dtype::Int32, 4),
+        "U8" => (Dtype::Uint8, 1),
+        "I8" => (Dtype::Int8, 1),
+        _ => return None,
+    })
+}
+
+/// Reads `part` of the tensor `entry` describes straight from `file`: one contiguous
+/// byte range per index of the axes before `part.axis` (a row block is one read, a
+/// column block one read per row). Safetensors stores little-endian data, as every
+/// platform dspec runs on does.
+fn read_part(
+    file: &Path,
+    name: &str,
+    entry: &HeaderEntry,
+    dtype: Dtype,
+    elem: usize,
+    part: Part,
+) -> Result<Array> {
+    use std::os::unix::fs::FileExt;
+    let shape: Vec<i32> = entry.shape.iter().map(|&d| d as i32).collect();
+    let Some(&len) = shape.get(part.axis) else {
+        return Err(ModelError::Unsupported(format!(
+            "tensor `{name}` of shape {shape:?} has no axis {}",
+            part.axis
+        )));
+    };
+    let (start, end) = part.range(name, len)?;
+    let outer: usize = shape[..part.axis].iter().map(|&d| d as usize).product();
+    let inner: usize = shape[part.axis + 1..].iter().map(|&d| d as usize).product();
+    let chunk = (end - start) as usize * inner * elem;
+    let total = outer * chunk;
+    // u64 words: MLX copies the data element by element, so it must be aligned.
+    let mut words = vec![0u64; total.div_ceil(8)];
+    // SAFETY: the byte view covers exactly the words' memory, which lives until the
+    // array below has copied it.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, total) };
+    let handle = File::open(file).map_err(|source| ModelError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
+    for o in 0..outer {
+        let at = entry.offset + ((o * len as usize + start as usize) * inner * elem) as u64;
+        handle
+            .read_exact_at(&mut bytes[o * chunk..(o + 1) * chunk], at)
+            .map_err(|source| ModelError::Io {
+                path: file.to_path_buf(),
+                source,
+            })?;
+    }
+    let mut local = shape.clone();
+    local[part.axis] = end - start;
+    // SAFETY: `words` holds `total` bytes, exactly `local`'s elements of `dtype`, which
+    // MLX copies before returning.
+    Ok(unsafe { Array::from_raw_data(words.as_ptr() as *const _, &local, dtype) })
 }
 
 /// Weights of a checkpoint directory, loaded lazily by MLX.
@@ -177,38 +258,42 @@ pub struct Weights {
     options: LoadOptions,
     /// name -> (file, array)
     tensors: HashMap<String, (PathBuf, Array)>,
+    /// name -> where its data lies, for reading parts of it alone.
+    layout: HashMap<String, HeaderEntry>,
     taken: usize,
     total: usize,
 }
 
 impl Weights {
     pub fn open(dir: &Path, options: &LoadOptions) -> Result<Self> {
-        let mut tensors = HashMap::new();
+        let (mut tensors, mut layout) = (HashMap::new(), HashMap::new());
         for file in checkpoint_files(dir)? {
-            load_file(&file, &mut tensors)?;
+            load_file(&file, &mut tensors, &mut layout)?;
         }
-        Ok(Self::from_tensors(dir, options, tensors))
+        Ok(Self::from_tensors(dir, options, tensors, layout))
     }
 
     /// One safetensors file on its own, e.g. an adapter file in a directory that also
     /// holds training checkpoints, which [`Weights::open`] would mix in.
     pub fn open_file(path: &Path, options: &LoadOptions) -> Result<Self> {
-        let mut tensors = HashMap::new();
-        load_file(path, &mut tensors)?;
+        let (mut tensors, mut layout) = (HashMap::new(), HashMap::new());
+        load_file(path, &mut tensors, &mut layout)?;
         let dir = path.parent().unwrap_or(Path::new("."));
-        Ok(Self::from_tensors(dir, options, tensors))
+        Ok(Self::from_tensors(dir, options, tensors, layout))
     }
 
     fn from_tensors(
         dir: &Path,
         options: &LoadOptions,
         tensors: HashMap<String, (PathBuf, Array)>,
+        layout: HashMap<String, HeaderEntry>,
     ) -> Self {
         let total = tensors.len();
         Self {
             dir: dir.to_path_buf(),
             options: options.clone(),
             tensors,
+            layout,
             taken: 0,
             total,
         }
@@ -245,15 +330,23 @@ impl Weights {
     }
 }
 
-impl WeightSource for Weights {
-    fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
-        let (file, array) = self.take(name, shape)?;
-        if array.shape() != shape {
+impl Weights {
+    /// Checks that `array` (tensor `name` of `file`, or a part of it, whose whole shape
+    /// is `stored`) is a float tensor of shape `shape`, and casts it as asked.
+    fn checked_float(
+        &self,
+        name: &str,
+        file: PathBuf,
+        stored: &[i32],
+        shape: &[i32],
+        array: Array,
+    ) -> Result<Array> {
+        if stored != shape {
             return Err(ModelError::ShapeMismatch {
                 name: name.to_string(),
                 file,
                 expected: shape.to_vec(),
-                actual: array.shape().to_vec(),
+                actual: stored.to_vec(),
             });
         }
         if !is_float(array.dtype()) {
@@ -268,6 +361,45 @@ impl WeightSource for Weights {
             Some(dtype) if dtype != array.dtype() => Ok(array.as_dtype(dtype)?),
             _ => Ok(array),
         }
+    }
+
+    /// `part` of tensor `name`, read alone from its file when its dtype allows, else
+    /// cut from the whole (lazily loaded) tensor; with the tensor's whole shape.
+    fn take_part(
+        &mut self,
+        name: &str,
+        expected: &[i32],
+        part: Part,
+    ) -> Result<(PathBuf, Vec<i32>, Array)> {
+        let (file, whole) = self.take(name, expected)?;
+        let stored = whole.shape().to_vec();
+        let readable = self
+            .layout
+            .get(name)
+            .and_then(|entry| stored_dtype(&entry.dtype).map(|(d, elem)| (entry, d, elem)));
+        let array = match readable {
+            // Dropping `whole` unevaluated means MLX never reads the rest of the tensor.
+            Some((entry, dtype, elem)) => read_part(&file, name, entry, dtype, elem, part)?,
+            None => part.of(name, &whole)?,
+        };
+        Ok((file, stored, array))
+    }
+}
+
+impl WeightSource for Weights {
+    fn tensor(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
+        let (file, array) = self.take(name, shape)?;
+        let stored = array.shape().to_vec();
+        self.checked_float(name, file, &stored, shape, array)
+    }
+
+    fn tensor_part(&mut self, name: &str, shape: &[i32], part: Part) -> Result<Array> {
+        let (file, stored, array) = self.take_part(name, shape, part)?;
+        self.checked_float(name, file, &stored, shape, array)
+    }
+
+    fn raw_part(&mut self, name: &str, part: Part) -> Result<Array> {
+        Ok(self.take_part(name, &[], part)?.2)
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -320,7 +452,99 @@ impl WeightSource for ProgressWeights<'_> {
         Ok(t)
     }
 
+    fn tensor_part(&mut self, name: &str, shape: &[i32], part: Part) -> Result<Array> {
+        let t = self.inner.tensor_part(name, shape, part)?;
+        t.eval()?;
+        (self.progress)(self.inner.taken(), self.inner.total());
+        Ok(t)
+    }
+
+    fn raw_part(&mut self, name: &str, part: Part) -> Result<Array> {
+        let t = self.inner.raw_part(name, part)?;
+        t.eval()?;
+        (self.progress)(self.inner.taken(), self.inner.total());
+        Ok(t)
+    }
+
     fn options(&self) -> &LoadOptions {
         self.inner.options()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{write_random_model, TINY_LLAMA};
+    use dspec_plugin_api::Quantization;
+
+    /// A part read alone from the file equals the same part of the whole tensor, for row
+    /// and column parts of dense f32 and bf16 tensors, a bias, and packed quantized ones.
+    #[test]
+    fn parts_read_alone_equal_parts_of_the_whole() {
+        let q4 = Quantization {
+            bits: 4,
+            group_size: 32,
+        };
+        for (stored, dtype) in [
+            (None, None),
+            (None, Some(Dtype::Bfloat16)),
+            (Some(q4), None),
+        ] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            write_random_model(dir.path(), TINY_LLAMA, 5, stored).expect("fixture");
+            if let Some(dtype) = dtype {
+                // Store the checkpoint itself in bf16, as most released ones are.
+                let file = dir.path().join("model.safetensors");
+                let arrays = Array::load_safetensors(&file).expect("load");
+                let cast: Vec<(String, Array)> = arrays
+                    .into_iter()
+                    .map(|(n, a)| (n, a.as_dtype(dtype).expect("cast")))
+                    .collect();
+                // Beside it first: the loaded arrays still read from the file lazily.
+                let tmp = dir.path().join("cast.safetensors.tmp.safetensors");
+                Array::save_safetensors(cast.iter().map(|(n, a)| (n.as_str(), a)), None, &tmp)
+                    .expect("save");
+                std::fs::rename(&tmp, &file).expect("replace");
+            }
+            let options = LoadOptions::default();
+            let mut whole = Weights::open(dir.path(), &options).expect("open");
+            let mut parts = Weights::open(dir.path(), &options).expect("open");
+            let name = "model.layers.0.self_attn.o_proj.weight";
+            for (axis, count) in [(0usize, 2), (1, 2), (0, 4), (1, 4)] {
+                for index in 0..count {
+                    let part = Part { axis, index, count };
+                    let (a, b) = match stored {
+                        None => (
+                            part.of(name, &whole.tensor(name, &[32, 32]).expect("whole"))
+                                .expect("slice"),
+                            parts.tensor_part(name, &[32, 32], part).expect("part"),
+                        ),
+                        Some(_) => (
+                            part.of(name, &whole.raw(name).expect("whole"))
+                                .expect("slice"),
+                            parts.raw_part(name, part).expect("part"),
+                        ),
+                    };
+                    assert_eq!(a.shape(), b.shape(), "{part:?}");
+                    assert_eq!(a.dtype(), b.dtype(), "{part:?}");
+                    assert!(a.eq_values(&b).expect("compare"), "{part:?}");
+                    // Taken tensors are gone from both sources; put them back.
+                    whole = Weights::open(dir.path(), &options).expect("open");
+                    parts = Weights::open(dir.path(), &options).expect("open");
+                }
+            }
+            let err = parts
+                .tensor_part(
+                    name,
+                    &[32, 32],
+                    Part {
+                        axis: 0,
+                        index: 0,
+                        count: 3,
+                    },
+                )
+                .expect_err("32 rows over 3");
+            assert!(err.to_string().contains("3 equal parts"), "{err}");
+        }
     }
 }

@@ -27,7 +27,7 @@ pub use drafter::{
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
 pub use target::{ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel};
-pub use weights::{LoraUpdate, WeightSource};
+pub use weights::{LoraUpdate, Part, WeightSource};
 
 /// Re-exported so adapter crates and plugins submit registrations with the same
 /// `inventory` instance the engine collects from.

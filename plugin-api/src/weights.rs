@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use mlx_rs::Array;
 
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::target::LoadOptions;
 
 /// Where an adapter gets its tensors from. Adapters ask by HF name and expected shape;
@@ -24,6 +24,21 @@ pub trait WeightSource {
 
     fn options(&self) -> &LoadOptions;
 
+    /// Part `part.index` of `part.count` equal parts of float tensor `name` (whole shape
+    /// `shape`) along `part.axis`, checked and cast as [`WeightSource::tensor`] does: a
+    /// rank's shard under tensor parallelism. Sources that can read a part alone (a
+    /// checkpoint file) override this, so a rank never reads the other ranks' parts.
+    fn tensor_part(&mut self, name: &str, shape: &[i32], part: Part) -> Result<Array> {
+        let whole = self.tensor(name, shape)?;
+        part.of(name, &whole)
+    }
+
+    /// Part of a tensor taken as stored ([`WeightSource::raw`]): quantized weight parts.
+    fn raw_part(&mut self, name: &str, part: Part) -> Result<Array> {
+        let whole = self.raw(name)?;
+        part.of(name, &whole)
+    }
+
     /// The LoRA update for linear layer `module` (`model.layers.0.self_attn.q_proj`,
     /// weight `[out_dim, in_dim]`) when this source carries an adapter that targets it.
     /// Plain checkpoints carry none; dspec-adapters' LoRA loading wraps a source to add one.
@@ -34,6 +49,49 @@ pub trait WeightSource {
         _out_dim: i32,
     ) -> Result<Option<LoraUpdate>> {
         Ok(None)
+    }
+}
+
+/// One of `count` equal, consecutive parts of a tensor along `axis`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub axis: usize,
+    pub index: i32,
+    pub count: i32,
+}
+
+impl Part {
+    /// `[start, end)` of this part along an axis of `len`, when `count` divides it.
+    pub fn range(&self, name: &str, len: i32) -> Result<(i32, i32)> {
+        if self.count <= 0 || self.index < 0 || self.index >= self.count {
+            return Err(ModelError::Unsupported(format!(
+                "part {} of {} of tensor `{name}` does not exist",
+                self.index, self.count
+            )));
+        }
+        if len % self.count != 0 {
+            return Err(ModelError::Unsupported(format!(
+                "tensor `{name}` has {len} entries along axis {}, which do not split into {} equal parts",
+                self.axis, self.count
+            )));
+        }
+        let size = len / self.count;
+        Ok((self.index * size, (self.index + 1) * size))
+    }
+
+    /// This part of `whole` (a view of it).
+    pub fn of(&self, name: &str, whole: &Array) -> Result<Array> {
+        let Some(&len) = whole.shape().get(self.axis) else {
+            return Err(ModelError::Unsupported(format!(
+                "tensor `{name}` of shape {:?} has no axis {}",
+                whole.shape(),
+                self.axis
+            )));
+        };
+        let (start, end) = self.range(name, len)?;
+        Ok(dspec_runtime::slicing::slice_axis(
+            whole, self.axis, start, end,
+        )?)
     }
 }
 
