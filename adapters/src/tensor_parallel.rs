@@ -64,11 +64,12 @@ impl TensorParallel {
 /// Refuses a model whose layers do not split evenly over `size` ranks, naming what does
 /// not divide and the group sizes that would work.
 pub fn check_divisible(spec: &DecoderSpec, dir: &Path, size: i32) -> Result<()> {
-    let mut counts = vec![("intermediate_size", spec.intermediate_size)];
+    let mut counts = Vec::new();
     for layer in &spec.layers {
         counts.push(("num_attention_heads", layer.heads));
         counts.push(("num_key_value_heads", layer.kv_heads));
     }
+    counts.push(("intermediate_size", spec.intermediate_size));
     let Some((name, value)) = counts.iter().find(|(_, v)| v % size != 0) else {
         return Ok(());
     };

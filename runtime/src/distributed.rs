@@ -7,6 +7,7 @@
 //! communicates on (the CPU stream for ring).
 
 use std::ffi::{c_char, c_void, CStr, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use mlx_rs::error::Exception;
@@ -44,6 +45,9 @@ pub struct Group {
     rank: i32,
     size: i32,
     backend: String,
+    /// Collectives built so far, by every clone: a watchdog reads it to tell a process
+    /// that keeps building steps from one stuck waiting on a peer.
+    built: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Group {
@@ -137,6 +141,7 @@ pub fn init(backend: &str, strict: bool) -> Result<Group, Exception> {
         rank,
         size,
         backend: backend.to_string(),
+        built: Arc::new(AtomicU64::new(0)),
     })
 }
 
@@ -155,7 +160,13 @@ impl Group {
     }
 
     fn raw(&self) -> mlx_sys::mlx_distributed_group {
+        self.built.fetch_add(1, Ordering::Relaxed);
         self.handle.0
+    }
+
+    /// How many collectives this process has built on the group (any clone).
+    pub fn collectives_built(&self) -> u64 {
+        self.built.load(Ordering::Relaxed)
     }
 
     /// The elementwise sum of `x` over every rank (same shape and dtype on all ranks).

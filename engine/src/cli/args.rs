@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
+use dspec_engine::loading::distributed::{self, Distributed};
 use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::runtime::Backend;
 use dspec_plugin_api::{AdapterRegistry, DraftAhead, DrafterOptions, LoadOptions, Quantization};
@@ -213,6 +214,30 @@ fn parse_draft_length(s: &str) -> std::result::Result<DraftLengthArg, String> {
 }
 
 impl DraftTuning {
+    /// Refuses what would make ranks of a group draft differently, and turns drafting
+    /// ahead off: every rank runs the drafter and must propose the same drafts, while
+    /// `--max-draft auto` chooses from each rank's own timings and a draft thread's
+    /// forwards depend on when the target's rounds end.
+    pub fn for_group(&mut self) -> Result<()> {
+        if self.max_draft.adaptive {
+            bail!(
+                "--max-draft auto chooses draft lengths from this process's timings, which differ \
+                 between the ranks of a distributed group; give a fixed --max-draft N"
+            );
+        }
+        match self.draft_ahead {
+            DraftAheadArg::Auto | DraftAheadArg::Off => {
+                self.draft_ahead = DraftAheadArg::Off;
+                Ok(())
+            }
+            DraftAheadArg::On | DraftAheadArg::Eager => bail!(
+                "--draft-ahead on/eager lets timing decide how the draft model batches its \
+                 forwards, and the ranks of a distributed group must draft the same tokens; \
+                 use --draft-ahead off (the default in a group)"
+            ),
+        }
+    }
+
     /// `max_new_tokens`: `--max-tokens`, so a draft model can size its cache once.
     pub fn options(&self, target_dtype: Dtype, max_new_tokens: usize) -> Result<DrafterOptions> {
         if self.ngram == 0 {
@@ -236,6 +261,83 @@ impl DraftTuning {
             },
             max_new_tokens: Some(max_new_tokens),
         })
+    }
+}
+
+/// `--distributed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DistributedArg {
+    /// Join a group when MLX's launch environment describes one (MLX_RANK with
+    /// MLX_HOSTFILE, as mlx.launch sets them) or --mlx-hostfile is given.
+    Auto,
+    /// Require a group.
+    On,
+    /// Run alone whatever the environment says.
+    Off,
+}
+
+/// `--distributed-backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    /// The backend whose environment is set.
+    Any,
+    /// TCP between the ranks (MLX_HOSTFILE).
+    Ring,
+    Mpi,
+    /// NVIDIA GPUs (a CUDA libmlx).
+    Nccl,
+    /// Thunderbolt RDMA between Macs.
+    Jaccl,
+}
+
+/// Running as one rank of an MLX distributed group: the target's layers split across
+/// the ranks (tensor parallelism); see docs/distributed.md.
+#[derive(Args)]
+pub struct DistributedArgs {
+    /// Split the target across an MLX distributed group: `auto` joins one when MLX's
+    /// launch environment (mlx.launch) or --mlx-hostfile describes one, `on` requires
+    /// one, `off` runs alone. Only rank 0 prints.
+    #[arg(long, value_enum, default_value = "auto")]
+    distributed: DistributedArg,
+    /// MLX backend to join through (`any`: the one whose environment is set).
+    #[arg(long, value_enum, default_value = "any")]
+    distributed_backend: BackendArg,
+    /// The ring backend's hostfile, as MLX_HOSTFILE would name it: a JSON list with,
+    /// per rank, the list of "ip:port" it listens on. With --mlx-rank, instead of
+    /// mlx.launch.
+    #[arg(long, value_name = "FILE", requires = "mlx_rank")]
+    mlx_hostfile: Option<PathBuf>,
+    /// This process's rank in --mlx-hostfile (0 for the first).
+    #[arg(long, value_name = "N", requires = "mlx_hostfile")]
+    mlx_rank: Option<i32>,
+    /// Seconds a rank waits for the group to form, or goes without progress while
+    /// computing with it, before it exits with an error naming the ranks it waits on.
+    #[arg(long, default_value_t = 300, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    distributed_timeout: u64,
+}
+
+impl DistributedArgs {
+    /// The group to join, or `None` to run alone.
+    pub fn join(&self) -> Result<Option<Distributed>> {
+        let settings = distributed::Settings {
+            mode: match self.distributed {
+                DistributedArg::Auto => distributed::Mode::Auto,
+                DistributedArg::On => distributed::Mode::On,
+                DistributedArg::Off => distributed::Mode::Off,
+            },
+            backend: match self.distributed_backend {
+                BackendArg::Any => "any",
+                BackendArg::Ring => "ring",
+                BackendArg::Mpi => "mpi",
+                BackendArg::Nccl => "nccl",
+                BackendArg::Jaccl => "jaccl",
+            }
+            .to_string(),
+            hostfile: self.mlx_hostfile.clone(),
+            rank: self.mlx_rank,
+            timeout: std::time::Duration::from_secs(self.distributed_timeout),
+        };
+        Ok(distributed::join(&settings)?)
     }
 }
 

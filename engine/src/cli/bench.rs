@@ -9,10 +9,11 @@ use clap::Args;
 
 use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
 use dspec_engine::decoding::drafting::load_drafter;
-use dspec_engine::loading::load_model;
+use dspec_engine::loading::distributed::Distributed;
+use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 
-use super::args::{DraftTuning, ModelArgs, PluginArgs};
+use super::args::{DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
 use super::prompt::encode_prompt;
 
 #[derive(Args)]
@@ -44,9 +45,29 @@ pub struct BenchArgs {
     /// prompts' token ids repeated), e.g. 1024,4096,16384.
     #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
     prefill_lengths: Vec<usize>,
+    #[command(flatten)]
+    distributed: DistributedArgs,
 }
 
 pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
+    // First: joining starts MLX's backend, which must happen before any thread uses MLX.
+    match args.distributed.join()? {
+        None => run_on(args, plugins, None),
+        Some(group) => {
+            run_on(args, plugins, Some(&group)).with_context(|| group.describe())?;
+            group.finish().with_context(|| group.describe())?;
+            Ok(())
+        }
+    }
+}
+
+/// `dspec bench` alone, or as one rank of `group` (every rank runs the same decoding;
+/// rank 0 reports it, with timings that include the group's communication).
+fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>) -> Result<()> {
+    let root = group.is_none_or(Distributed::is_root);
+    if group.is_some() {
+        args.tuning.for_group()?;
+    }
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
@@ -60,8 +81,17 @@ pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
     let backend = Backend::detect();
     let options = args.model.load_options(backend);
     let registry = plugins.registry()?;
-    let show_progress = std::io::stderr().is_terminal() && !args.json;
-    let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
+    let show_progress = std::io::stderr().is_terminal() && !args.json && root;
+    let loaded = match group {
+        None => load_model(&args.model.target, &registry, &options, show_progress)?,
+        Some(g) => load_model_in_group(
+            &args.model.target,
+            &registry,
+            &options,
+            g.group(),
+            show_progress,
+        )?,
+    };
     let drafter_options = args
         .tuning
         .options(loaded.model.info().dtype, args.max_tokens)?;
@@ -86,6 +116,16 @@ pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
             synthetic_lengths: args.prefill_lengths.clone(),
         },
     };
+    let _watch = match group {
+        Some(g) => {
+            g.check_same(
+                "prompts or bench settings",
+                format!("{ids:?} {:?}", settings).as_bytes(),
+            )?;
+            Some(g.watch())
+        }
+        None => None,
+    };
     let report = bench_prompts(
         loaded.model.as_ref(),
         &loaded.tokenizer,
@@ -93,6 +133,13 @@ pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
         &ids,
         &settings,
     )?;
+    if !root {
+        // The same report as rank 0's: fail alike on a mismatch, print nothing.
+        if report.real_mismatches > 0 {
+            bail!("speculative and plain greedy outputs differ (rank 0 reports where)");
+        }
+        return Ok(());
+    }
     if args.json {
         let info = loaded.model.info();
         let out = serde_json::json!({
@@ -101,6 +148,7 @@ pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
             "dtype": format!("{:?}", info.dtype),
             "device": backend.device_name(),
             "drafter_arg": args.drafter,
+            "ranks": group.map_or(1, Distributed::size),
             "report": report,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);

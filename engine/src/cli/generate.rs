@@ -11,10 +11,11 @@ use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, GenerationOutput};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
-use dspec_engine::loading::load_model;
+use dspec_engine::loading::distributed::Distributed;
+use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 
-use super::args::{DraftTuning, ModelArgs, PluginArgs};
+use super::args::{DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
 use super::prompt::encode_prompt;
 
 #[derive(Args)]
@@ -71,6 +72,8 @@ pub struct GenerateArgs {
     /// Write one JSON line per speculative round (drafted tokens, accepted count) here.
     #[arg(long, requires = "drafter")]
     trace: Option<PathBuf>,
+    #[command(flatten)]
+    distributed: DistributedArgs,
 }
 
 fn read_prompt(args: &GenerateArgs) -> Result<String> {
@@ -114,16 +117,49 @@ fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
 }
 
 pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
+    // First: joining starts MLX's backend, which must happen before any thread uses MLX.
+    match args.distributed.join()? {
+        None => run_on(args, plugins, None),
+        Some(group) => {
+            run_on(args, plugins, Some(&group)).with_context(|| group.describe())?;
+            // Every rank ends here only once all have generated: a rank that failed late
+            // makes the others fail too, rather than report a success it cannot vouch for.
+            group.finish().with_context(|| group.describe())?;
+            Ok(())
+        }
+    }
+}
+
+/// `dspec generate` alone, or as one rank of `group` (every rank generates the same
+/// tokens; rank 0 prints them).
+fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distributed>) -> Result<()> {
     let prompt_text = read_prompt(&args)?;
-    let sampling = sampling_params(&args)?;
+    let mut sampling = sampling_params(&args)?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
+    }
+    let root = group.is_none_or(Distributed::is_root);
+    if group.is_some() {
+        args.tuning.for_group()?;
+        if args.trace.is_some() && !root {
+            // One trace: the ranks' rounds are the same.
+            args.trace = None;
+        }
     }
     let backend = Backend::detect();
     let options = args.model.load_options(backend);
     let registry = plugins.registry()?;
-    let show_progress = std::io::stderr().is_terminal() && !args.json;
-    let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
+    let show_progress = std::io::stderr().is_terminal() && !args.json && root;
+    let loaded = match group {
+        None => load_model(&args.model.target, &registry, &options, show_progress)?,
+        Some(g) => load_model_in_group(
+            &args.model.target,
+            &registry,
+            &options,
+            g.group(),
+            show_progress,
+        )?,
+    };
     let tokenizer = &loaded.tokenizer;
 
     let prompt_ids = encode_prompt(
@@ -134,13 +170,36 @@ pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
         args.enable_thinking,
     )?;
 
+    let _watch = match group {
+        Some(g) => {
+            if !sampling.is_greedy() {
+                sampling.seed = Some(g.shared_seed(sampling.seed)?);
+            }
+            g.check_same(
+                "prompts or decoding settings",
+                // Paths may differ between machines; what is generated may not.
+                format!(
+                    "{prompt_ids:?} {} {:?} {:?} {} {} {:?}",
+                    args.max_tokens,
+                    sampling,
+                    args.stop,
+                    args.drafter.is_some(),
+                    args.tuning.max_draft.max,
+                    options.dtype
+                )
+                .as_bytes(),
+            )?;
+            Some(g.watch())
+        }
+        None => None,
+    };
     let config = GenerationConfig {
         max_tokens: args.max_tokens,
         sampling,
         stop_strings: args.stop.clone(),
         eos_ids: tokenizer.eos_token_ids().to_vec(),
     };
-    let stream = !args.no_stream && !args.json;
+    let stream = !args.no_stream && !args.json && root;
     let mut stdout = std::io::stdout();
     let mut on_text = |piece: &str| {
         if stream {
@@ -198,10 +257,14 @@ pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
         }
     };
     let s = &output.stats;
+    if !root {
+        return Ok(());
+    }
     if args.json {
         let info = loaded.model.info();
         let report = serde_json::json!({
             "text": output.text,
+            "tokens": output.tokens,
             "model": {
                 "dir": loaded.dir,
                 "adapter": loaded.adapter,
@@ -209,6 +272,7 @@ pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
                 "dtype": format!("{:?}", info.dtype),
                 "quantized_bits": info.quantized_bits,
                 "device": backend.device_name(),
+                "ranks": group.map_or(1, Distributed::size),
             },
             "stats": s,
             "speculative": speculative,

@@ -49,6 +49,15 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs, plugins: &PluginArgs) -> Result<()> {
+    // The other ranks would have to follow every request rank 0 takes (docs/distributed.md).
+    if dspec_engine::loading::distributed::launch_environment()?.is_some_and(|l| l.size != Some(1))
+    {
+        anyhow::bail!(
+            "dspec serve runs on one process, and MLX's distributed environment (MLX_RANK, ...) \
+             is set: serving a target split across a group is not supported yet; start \
+             `dspec serve` without mlx.launch, or use `dspec generate`/`bench` in the group"
+        );
+    }
     let backend = Backend::detect();
     let options = args.model.load_options(backend);
     let registry = plugins.registry()?;

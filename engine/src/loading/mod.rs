@@ -2,8 +2,10 @@
 //! the weights (with a progress bar on a terminal) and the tokenizer; optionally with
 //! a LoRA adapter attached. `model_source` resolves a `--target` (`hub` downloads hub
 //! models into the cache); `plugins` adds plugin families to the registry the loader
-//! picks from.
+//! picks from; `distributed` joins an MLX group, whose ranks each load their share of a
+//! target with [`load_model_in_group`].
 
+pub mod distributed;
 pub mod hub;
 pub mod model_source;
 pub mod plugins;
@@ -46,6 +48,36 @@ pub fn load_model(
 ) -> Result<LoadedModel, EngineError> {
     load_with(arg, registry, options, show_progress, |entry, req| {
         Ok((entry.load)(req)?)
+    })
+}
+
+/// Loads model and tokenizer as [`load_model`] does, but only this rank's share of the
+/// target's decoder layers (tensor parallelism over `group`; see
+/// `dspec_adapters::tensor_parallel`). Built-in decoder families only: a plugin's model
+/// or a hybrid family is refused with what to do instead.
+pub fn load_model_in_group(
+    arg: &str,
+    registry: &AdapterRegistry,
+    options: &LoadOptions,
+    group: &dspec_runtime::distributed::Group,
+    show_progress: bool,
+) -> Result<LoadedModel, EngineError> {
+    let tp = dspec_adapters::tensor_parallel::TensorParallel::new(group.clone());
+    load_with(arg, registry, options, show_progress, |entry, req| {
+        if let AdapterSource::Plugin { path, .. } = &entry.source {
+            return Err(ModelError::Unsupported(format!(
+                "`{}` models come from the plugin {}, and only built-in families split across a \
+                 distributed group; run this model on one process",
+                entry.name,
+                path.display()
+            ))
+            .into());
+        }
+        Ok(dspec_adapters::tensor_parallel::load(
+            req,
+            &entry.name,
+            &tp,
+        )?)
     })
 }
 
