@@ -303,8 +303,9 @@ fn long_generation(target: &str, timeout: &'static str) -> Vec<String> {
     .collect()
 }
 
-/// Killing rank 1 of 3 while they generate: ranks 0 and 2 exit non-zero within the
-/// bound, saying which rank they are and that the group failed; none hangs.
+/// Killing rank 1 of 3 while they generate: ranks 0 and 2 exit non-zero within seconds
+/// (well inside the watchdog's timeout), saying which rank they are and which connection
+/// was lost; none hangs.
 #[test]
 fn a_rank_that_dies_mid_generation_makes_the_others_exit_with_an_error() {
     let target = tempfile::tempdir().expect("temp dir");
@@ -317,11 +318,20 @@ fn a_rank_that_dies_mid_generation_makes_the_others_exit_with_an_error() {
     unsafe { libc::kill(group.pid(1), libc::SIGKILL) };
     let killed_at = group.started.elapsed().as_secs_f64();
     let results = group.finish(Duration::from_secs(90));
+    // The first to notice names rank 1; the other may notice that one leaving first.
+    assert!(
+        [0, 2].iter().any(|&r| results[r]
+            .stderr
+            .contains("connection to rank 1 (127.0.0.1:")),
+        "{}\n{}",
+        results[0].stderr,
+        results[2].stderr
+    );
     for rank in [0, 2] {
         let r = &results[rank];
         assert_eq!(r.code, Some(1), "rank {rank} should fail:\n{}", r.stderr);
         assert!(
-            r.seconds - killed_at < 30.0,
+            r.seconds - killed_at < 10.0,
             "rank {rank} took {:.1} s after the kill",
             r.seconds - killed_at
         );
@@ -331,7 +341,7 @@ fn a_rank_that_dies_mid_generation_makes_the_others_exit_with_an_error() {
             r.stderr
         );
         assert!(
-            r.stderr.contains("connection to a peer was lost") || r.stderr.contains("no progress"),
+            r.stderr.contains("the connection to rank") && r.stderr.contains("was lost"),
             "rank {rank}: {}",
             r.stderr
         );

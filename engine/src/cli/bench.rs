@@ -116,16 +116,14 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
             synthetic_lengths: args.prefill_lengths.clone(),
         },
     };
-    let _watch = match group {
-        Some(g) => {
-            g.check_same(
-                "prompts or bench settings",
-                format!("{ids:?} {:?}", settings).as_bytes(),
-            )?;
-            Some(g.watch())
-        }
-        None => None,
-    };
+    // Watched from the first exchange with the other ranks to the last.
+    let _watch = group.map(Distributed::watch);
+    if let Some(g) = group {
+        g.check_same(
+            "prompts or bench settings",
+            format!("{ids:?} {settings:?}").as_bytes(),
+        )?;
+    }
     let report = bench_prompts(
         loaded.model.as_ref(),
         &loaded.tokenizer,

@@ -170,29 +170,27 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
         args.enable_thinking,
     )?;
 
-    let _watch = match group {
-        Some(g) => {
-            if !sampling.is_greedy() {
-                sampling.seed = Some(g.shared_seed(sampling.seed)?);
-            }
-            g.check_same(
-                "prompts or decoding settings",
-                // Paths may differ between machines; what is generated may not.
-                format!(
-                    "{prompt_ids:?} {} {:?} {:?} {} {} {:?}",
-                    args.max_tokens,
-                    sampling,
-                    args.stop,
-                    args.drafter.is_some(),
-                    args.tuning.max_draft.max,
-                    options.dtype
-                )
-                .as_bytes(),
-            )?;
-            Some(g.watch())
+    // Watched from the first exchange with the other ranks to the last.
+    let _watch = group.map(Distributed::watch);
+    if let Some(g) = group {
+        if !sampling.is_greedy() {
+            sampling.seed = Some(g.shared_seed(sampling.seed)?);
         }
-        None => None,
-    };
+        g.check_same(
+            "prompts or decoding settings",
+            // Paths may differ between machines; what is generated may not.
+            format!(
+                "{prompt_ids:?} {} {:?} {:?} {} {} {:?}",
+                args.max_tokens,
+                sampling,
+                args.stop,
+                args.drafter.is_some(),
+                args.tuning.max_draft.max,
+                options.dtype
+            )
+            .as_bytes(),
+        )?;
+    }
     let config = GenerationConfig {
         max_tokens: args.max_tokens,
         sampling,

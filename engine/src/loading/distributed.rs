@@ -52,8 +52,8 @@ pub struct Settings {
 pub struct Launch {
     /// The backend whose variables are set.
     pub backend: &'static str,
-    /// `ip:port` of every rank, for the ring backend (for messages).
-    pub addresses: Vec<String>,
+    /// The `ip:port`s of every rank, for the ring backend.
+    pub addresses: Vec<Vec<String>>,
     pub rank: Option<i32>,
     pub size: Option<usize>,
 }
@@ -120,9 +120,9 @@ pub fn launch_environment() -> Result<Option<Launch>, EngineError> {
         let hosts = read_ring_hostfile(Path::new(&hostfile), "MLX_HOSTFILE")?;
         return Ok(Some(Launch {
             backend: "ring",
-            addresses: hosts.iter().map(|h| h.join(",")).collect(),
-            rank: Some(rank),
             size: Some(hosts.len().max(1)),
+            addresses: hosts,
+            rank: Some(rank),
         }));
     }
     if let (Some(rank), Some(size)) = (rank, var("MLX_WORLD_SIZE")) {
@@ -161,10 +161,15 @@ pub fn launch_environment() -> Result<Option<Launch>, EngineError> {
 /// What the watchdog watches.
 struct Watch {
     armed: AtomicBool,
+    /// Set once the last collective (the closing barrier) starts: from then on a peer
+    /// that has finished and closed its connections is no failure.
+    finishing: AtomicBool,
     group: Group,
     timeout: Duration,
     /// Said when it fires: where this rank waits and on whom.
     context: String,
+    /// The ring's TCP connections: (file descriptor, peer rank, peer address).
+    connections: Vec<(i32, i32, String)>,
 }
 
 /// This process's place in a distributed group, with the watchdog that bounds every
@@ -196,6 +201,21 @@ fn spawn_watchdog(watch: Arc<Watch>) {
         let mut since = Instant::now();
         loop {
             std::thread::sleep(tick);
+            let checking =
+                watch.armed.load(Ordering::SeqCst) && !watch.finishing.load(Ordering::SeqCst);
+            if let Some((_, peer, address)) = watch
+                .connections
+                .iter()
+                .find(|(fd, _, _)| checking && !connection_is_open(*fd))
+            {
+                eprintln!(
+                    "error: rank {} of {}: the connection to rank {peer} ({address}) was lost: \
+                     that rank exited or its machine became unreachable; check its output",
+                    watch.group.rank(),
+                    watch.group.size(),
+                );
+                exit_process(1);
+            }
             let built = watch.group.collectives_built();
             if built != seen || !watch.armed.load(Ordering::SeqCst) {
                 seen = built;
@@ -297,8 +317,131 @@ impl Distributed {
 
     /// Waits until every rank has finished (a rank that failed makes this fail).
     pub fn finish(&self) -> Result<(), EngineError> {
+        self.watch.finishing.store(true, Ordering::SeqCst);
+        let _watch = self.watch();
         Ok(self.group.barrier()?)
     }
+}
+
+/// This process's TCP connections of the ring (`hosts`: every rank's `ip:port`s), with
+/// the rank at the other end: those whose peer is a rank's listening address (this rank
+/// connected to its right neighbour), and those accepted on this rank's own address
+/// (from its left neighbour). Found among the process's open sockets once the group has
+/// formed: MLX keeps its sockets to itself, and a dead peer's closed connection is the
+/// one sign of death MLX 0.32's ring does not pass on (its socket thread fails the
+/// transfer in flight and stops, so the next transfer on that socket waits forever).
+#[cfg(target_os = "linux")]
+fn ring_connections(hosts: &[Vec<String>], rank: i32) -> Vec<(i32, i32, String)> {
+    use std::net::SocketAddr;
+    let parse = |a: &String| a.parse::<SocketAddr>().ok();
+    let size = hosts.len() as i32;
+    let own: Vec<SocketAddr> = hosts
+        .get(rank as usize)
+        .map(|h| h.iter().filter_map(parse).collect())
+        .unwrap_or_default();
+    let left = (rank + size - 1) % size.max(1);
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in fds.flatten() {
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let is_socket = std::fs::read_link(entry.path())
+            .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"));
+        if !is_socket {
+            continue;
+        }
+        let (Some(local), Some(peer)) = (socket_address(fd, false), socket_address(fd, true))
+        else {
+            continue;
+        };
+        let connected_to = hosts
+            .iter()
+            .enumerate()
+            .find(|(r, h)| *r as i32 != rank && h.iter().filter_map(parse).any(|a| a == peer));
+        if let Some((r, _)) = connected_to {
+            found.push((fd, r as i32, peer.to_string()));
+        } else if own.iter().any(|a| a.port() == local.port()) {
+            let address = hosts
+                .get(left as usize)
+                .map(|h| h.join(", "))
+                .unwrap_or_else(|| peer.to_string());
+            found.push((fd, left, address));
+        }
+    }
+    found
+}
+
+#[cfg(not(target_os = "linux"))]
+fn ring_connections(_hosts: &[Vec<String>], _rank: i32) -> Vec<(i32, i32, String)> {
+    // Elsewhere the watchdog's timeout alone bounds the wait on a dead peer.
+    Vec::new()
+}
+
+/// The local (`peer: false`) or remote address of socket `fd`, if it is a connected
+/// IPv4 or IPv6 socket.
+#[cfg(target_os = "linux")]
+fn socket_address(fd: i32, peer: bool) -> Option<std::net::SocketAddr> {
+    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+    // SAFETY: getsockname/getpeername write at most `len` bytes into the zeroed storage;
+    // the descriptor is this process's own and is only inspected.
+    unsafe {
+        let mut storage: libc::sockaddr_storage = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        let addr = &mut storage as *mut _ as *mut libc::sockaddr;
+        let status = match peer {
+            true => libc::getpeername(fd, addr, &mut len),
+            false => libc::getsockname(fd, addr, &mut len),
+        };
+        if status != 0 {
+            return None;
+        }
+        match storage.ss_family as i32 {
+            libc::AF_INET => {
+                let a = &*(addr as *const libc::sockaddr_in);
+                let ip = Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+                Some(SocketAddr::from((ip, u16::from_be(a.sin_port))))
+            }
+            libc::AF_INET6 => {
+                let a = &*(addr as *const libc::sockaddr_in6);
+                let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+                Some(SocketAddr::from((ip, u16::from_be(a.sin6_port))))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Whether TCP socket `fd` is still an established connection (not closed by its peer,
+/// reset, or gone).
+#[cfg(target_os = "linux")]
+fn connection_is_open(fd: i32) -> bool {
+    const TCP_ESTABLISHED: u8 = 1;
+    // `struct tcp_info` starts with the connection state; the kernel fills what fits.
+    let mut info = [0u8; 256];
+    let mut len = info.len() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `info`.
+    let status = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr() as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    status == 0 && info[0] == TCP_ESTABLISHED
+}
+
+#[cfg(not(target_os = "linux"))]
+fn connection_is_open(_fd: i32) -> bool {
+    true
 }
 
 /// 64-bit FNV-1a: the same on every platform and build, unlike std's hasher.
@@ -388,7 +531,7 @@ pub fn join(settings: &Settings) -> Result<Option<Distributed>, EngineError> {
         let (timeout, rank) = (settings.timeout, launch.rank);
         let peers = match launch.addresses.is_empty() {
             true => String::new(),
-            false => format!(" at {}", launch.addresses.join(" ")),
+            false => format!(" at {}", launch.addresses.concat().join(" ")),
         };
         let size = launch.size.map(|s| s.to_string()).unwrap_or("?".into());
         std::thread::spawn(move || {
@@ -426,7 +569,7 @@ pub fn join(settings: &Settings) -> Result<Option<Distributed>, EngineError> {
         launch
             .addresses
             .get(r as usize)
-            .map(|a| format!(" ({a})"))
+            .map(|a| format!(" ({})", a.join(", ")))
             .unwrap_or_default()
     };
     let (left, right) = ((rank + size - 1) % size, (rank + 1) % size);
@@ -441,12 +584,18 @@ pub fn join(settings: &Settings) -> Result<Option<Distributed>, EngineError> {
             "waiting on the {backend} group: another rank has stopped, hung or become unreachable"
         ),
     };
+    let connections = match backend {
+        "ring" => ring_connections(&launch.addresses, rank),
+        _ => Vec::new(),
+    };
     let distributed = Distributed {
         watch: Arc::new(Watch {
             armed: AtomicBool::new(false),
+            finishing: AtomicBool::new(false),
             group: group.clone(),
             timeout: settings.timeout,
             context,
+            connections,
         }),
         group,
     };
