@@ -366,7 +366,23 @@ impl Linear {
             LinearWeight::Quantized(load_quantized_part(w, prefix, rows, cols, Some(part))?)
         } else {
             let dense = w.tensor_part(&format!("{prefix}.weight"), &[out_dim, in_dim], part)?;
-            match maybe_quantize(dense, w.options().quantize)? {
+            // The group size the whole layer would get, so that a rank's share is
+            // quantized exactly as that part of the whole layer would be.
+            let quantize = w.options().quantize.and_then(|q| {
+                [q.group_size, 32]
+                    .into_iter()
+                    .find(|g| in_dim % g == 0)
+                    .map(|group_size| Quantization { group_size, ..q })
+            });
+            if let Some(q) = quantize.filter(|q| cols % q.group_size != 0) {
+                return Err(ModelError::Unsupported(format!(
+                    "--quantize: `{prefix}` would be quantized in groups of {} inputs, but a \
+                     rank's share of its {in_dim} inputs is {cols}, which is no whole number \
+                     of groups; run on fewer ranks or without --quantize",
+                    q.group_size
+                )));
+            }
+            match maybe_quantize(dense, quantize)? {
                 Ok(q) => LinearWeight::Quantized(q),
                 Err(dense) => LinearWeight::Dense(DenseProduct::new(dense)),
             }
