@@ -19,7 +19,7 @@ use crate::slicing::op;
 /// CUDA is available).
 pub const BACKENDS: [&str; 4] = ["ring", "mpi", "nccl", "jaccl"];
 
-/// The mlx-c group handle, freed when the last [`Group`] clone goes.
+/// The mlx-c group handle, freed with the last [`Group`] clone.
 struct Handle(mlx_sys::mlx_distributed_group);
 
 // SAFETY: the handle points to an `mlx::core::distributed::Group`, a shared pointer to
@@ -38,16 +38,18 @@ impl Drop for Handle {
 }
 
 /// A group of processes that MLX's collectives run over; rank 0 of 1 when the process
-/// runs alone.
+/// runs alone. Clones share one group (a pointer each: layers keep one).
 #[derive(Clone)]
-pub struct Group {
-    handle: Arc<Handle>,
+pub struct Group(Arc<Members>);
+
+struct Members {
+    handle: Handle,
     rank: i32,
     size: i32,
     backend: String,
     /// Collectives built so far, by every clone: a watchdog reads it to tell a process
     /// that keeps building steps from one stuck waiting on a peer.
-    built: Arc<AtomicU64>,
+    built: AtomicU64,
 }
 
 impl std::fmt::Debug for Group {
@@ -55,7 +57,7 @@ impl std::fmt::Debug for Group {
         write!(
             f,
             "Group {{ rank: {}, size: {}, backend: {} }}",
-            self.rank, self.size, self.backend
+            self.0.rank, self.0.size, self.0.backend
         )
     }
 }
@@ -136,37 +138,37 @@ pub fn init(backend: &str, strict: bool) -> Result<Group, Exception> {
             mlx_sys::mlx_distributed_group_size(group.0),
         )
     };
-    Ok(Group {
-        handle: Arc::new(group),
+    Ok(Group(Arc::new(Members {
+        handle: group,
         rank,
         size,
         backend: backend.to_string(),
-        built: Arc::new(AtomicU64::new(0)),
-    })
+        built: AtomicU64::new(0),
+    })))
 }
 
 impl Group {
     pub fn rank(&self) -> i32 {
-        self.rank
+        self.0.rank
     }
 
     pub fn size(&self) -> i32 {
-        self.size
+        self.0.size
     }
 
     /// The backend asked for at init (`any` when MLX chose).
     pub fn backend(&self) -> &str {
-        &self.backend
+        &self.0.backend
     }
 
     fn raw(&self) -> mlx_sys::mlx_distributed_group {
-        self.built.fetch_add(1, Ordering::Relaxed);
-        self.handle.0
+        self.0.built.fetch_add(1, Ordering::Relaxed);
+        self.0.handle.0
     }
 
     /// How many collectives this process has built on the group (any clone).
     pub fn collectives_built(&self) -> u64 {
-        self.built.load(Ordering::Relaxed)
+        self.0.built.load(Ordering::Relaxed)
     }
 
     /// The elementwise sum of `x` over every rank (same shape and dtype on all ranks).
@@ -227,10 +229,10 @@ impl Group {
     /// `x` as rank 0 holds it, on every rank: the sum of rank 0's `x` and every other
     /// rank's zeros (an integer or float array; exact, since only one term is non-zero).
     pub fn broadcast_from_root(&self, x: &Array) -> Result<Array, Exception> {
-        if self.size == 1 {
+        if self.size() == 1 {
             return Ok(x.clone());
         }
-        let own = if self.rank == 0 {
+        let own = if self.rank() == 0 {
             x.clone()
         } else {
             mlx_rs::ops::zeros_like(x)?
@@ -240,7 +242,7 @@ impl Group {
 
     /// Waits for every rank to get here (a one-element all-sum, evaluated).
     pub fn barrier(&self) -> Result<(), Exception> {
-        if self.size == 1 {
+        if self.size() == 1 {
             return Ok(());
         }
         self.all_sum(&Array::from_slice(&[1i32], &[1]))?.eval()

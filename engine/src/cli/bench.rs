@@ -54,8 +54,8 @@ pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
     match args.distributed.join()? {
         None => run_on(args, plugins, None),
         Some(group) => {
-            run_on(args, plugins, Some(&group)).with_context(|| group.describe())?;
-            group.finish().with_context(|| group.describe())?;
+            run_on(args, plugins, Some(&group)).with_context(|| group.describe_failure())?;
+            group.finish().with_context(|| group.describe_failure())?;
             Ok(())
         }
     }

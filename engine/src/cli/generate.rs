@@ -121,10 +121,10 @@ pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
     match args.distributed.join()? {
         None => run_on(args, plugins, None),
         Some(group) => {
-            run_on(args, plugins, Some(&group)).with_context(|| group.describe())?;
+            run_on(args, plugins, Some(&group)).with_context(|| group.describe_failure())?;
             // Every rank ends here only once all have generated: a rank that failed late
             // makes the others fail too, rather than report a success it cannot vouch for.
-            group.finish().with_context(|| group.describe())?;
+            group.finish().with_context(|| group.describe_failure())?;
             Ok(())
         }
     }

@@ -172,6 +172,20 @@ struct Watch {
     connections: Vec<(i32, i32, String)>,
 }
 
+impl Watch {
+    /// Which ring connection has closed, if one has, as a sentence.
+    fn lost_connection(&self) -> Option<String> {
+        let (_, peer, address) = self
+            .connections
+            .iter()
+            .find(|(fd, _, _)| !connection_is_open(*fd))?;
+        Some(format!(
+            "the connection to rank {peer} ({address}) was lost: that rank exited or its \
+             machine became unreachable; check its output"
+        ))
+    }
+}
+
 /// This process's place in a distributed group, with the watchdog that bounds every
 /// wait on the other ranks.
 pub struct Distributed {
@@ -203,16 +217,11 @@ fn spawn_watchdog(watch: Arc<Watch>) {
             std::thread::sleep(tick);
             let checking =
                 watch.armed.load(Ordering::SeqCst) && !watch.finishing.load(Ordering::SeqCst);
-            if let Some((_, peer, address)) = watch
-                .connections
-                .iter()
-                .find(|(fd, _, _)| checking && !connection_is_open(*fd))
-            {
+            if let Some(lost) = watch.lost_connection().filter(|_| checking) {
                 eprintln!(
-                    "error: rank {} of {}: the connection to rank {peer} ({address}) was lost: \
-                     that rank exited or its machine became unreachable; check its output",
+                    "error: rank {} of {}: {lost}",
                     watch.group.rank(),
-                    watch.group.size(),
+                    watch.group.size()
                 );
                 exit_process(1);
             }
@@ -259,6 +268,15 @@ impl Distributed {
     /// `rank R of N` for messages.
     pub fn describe(&self) -> String {
         format!("rank {} of {}", self.rank(), self.size())
+    }
+
+    /// Context for an error of this rank: `rank R of N`, and the ring connection that
+    /// closed, if one did (MLX itself says only that "a peer" was lost).
+    pub fn describe_failure(&self) -> String {
+        match self.watch.lost_connection() {
+            Some(lost) => format!("{}: {lost}", self.describe()),
+            None => self.describe(),
+        }
     }
 
     /// Arms the watchdog until the guard drops: around work that waits on the other
