@@ -78,8 +78,14 @@ fn free_ports(n: usize) -> Vec<u16> {
 }
 
 impl Group {
-    /// Starts ranks `ranks` (all of `0..n` usually) of an `n`-rank group.
+    /// Starts ranks `ranks` (all of `0..n` usually) of an `n`-rank group, told their
+    /// rank and hostfile through MLX's environment, as `mlx.launch` does.
     fn start(n: usize, ranks: std::ops::Range<usize>, args: &[&str]) -> Group {
+        Self::start_as(n, ranks, args, false)
+    }
+
+    /// [`Group::start`], with `by_flags`: through `--mlx-hostfile` and `--mlx-rank`.
+    fn start_as(n: usize, ranks: std::ops::Range<usize>, args: &[&str], by_flags: bool) -> Group {
         let dir = tempfile::tempdir().expect("temp dir");
         let ports = free_ports(n);
         let hosts: Vec<Vec<String>> = ports
@@ -90,10 +96,18 @@ impl Group {
         std::fs::write(&hostfile, serde_json::to_string(&hosts).expect("json")).expect("hostfile");
         let ranks = ranks
             .map(|rank| {
-                let mut child = dspec()
-                    .args(args)
-                    .env("MLX_RANK", rank.to_string())
-                    .env("MLX_HOSTFILE", &hostfile)
+                let mut cmd = dspec();
+                cmd.args(args);
+                match by_flags {
+                    true => cmd
+                        .arg("--mlx-hostfile")
+                        .arg(&hostfile)
+                        .args(["--mlx-rank", &rank.to_string()]),
+                    false => cmd
+                        .env("MLX_RANK", rank.to_string())
+                        .env("MLX_HOSTFILE", &hostfile),
+                };
+                let mut child = cmd
                     .stdout(Stdio::piped())
                     .stderr(Stdio::piped())
                     .spawn()
@@ -282,6 +296,27 @@ fn two_and_three_ranks_generate_what_one_process_does() {
             assert_eq!(json["model"]["ranks"], n, "{mode}");
         }
     }
+}
+
+/// Ranks started by hand with `--mlx-hostfile` and `--mlx-rank` (no launcher, no MLX
+/// environment) form the same group and generate the same tokens.
+#[test]
+fn ranks_started_with_flags_generate_what_one_process_does() {
+    let target = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(target.path(), SPLITTABLE, 6).expect("target");
+    let args = generate_args(path_str(target.path()), &["--drafter", "ngram"]);
+    let alone = dspec().args(&args).output().expect("run dspec");
+    assert!(
+        alone.status.success(),
+        "{}",
+        String::from_utf8_lossy(&alone.stderr)
+    );
+    let want = tokens(&String::from_utf8_lossy(&alone.stdout), "one process");
+    let results = Group::start_as(2, 0..2, &args, true).finish(Duration::from_secs(60));
+    for (rank, r) in results.iter().enumerate() {
+        assert_eq!(r.code, Some(0), "rank {rank}:\n{}", r.stderr);
+    }
+    assert_eq!(tokens(&results[0].stdout, "rank 0"), want);
 }
 
 /// A long greedy generation, to be interrupted once it streams.

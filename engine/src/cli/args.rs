@@ -466,6 +466,25 @@ mod tests {
         }
     }
 
+    /// In a group: a fixed draft length and no draft thread running ahead, since both
+    /// would let each rank's own timing choose what it drafts.
+    #[test]
+    fn a_group_needs_timing_free_drafting() {
+        let mut probe = parse(&[]).expect("defaults parse");
+        probe.tuning.for_group().expect("defaults suit a group");
+        let options = probe.tuning.options(Dtype::Float32, 16).expect("options");
+        assert_eq!(options.draft_ahead, Some(DraftAhead::Off), "auto is off");
+        for (extra, says) in [
+            (&["--max-draft", "auto:4"][..], "--max-draft"),
+            (&["--draft-ahead", "on"][..], "--draft-ahead"),
+            (&["--draft-ahead", "eager"][..], "--draft-ahead"),
+        ] {
+            let mut probe = parse(extra).expect("parses");
+            let err = probe.tuning.for_group().expect_err("refused in a group");
+            assert!(err.to_string().contains(says), "{extra:?}: {err}");
+        }
+    }
+
     #[test]
     fn drafter_option_ranges_are_checked() {
         let probe = parse(&["--ngram", "0"]).expect("parses");
