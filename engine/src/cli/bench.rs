@@ -116,6 +116,10 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
             synthetic_lengths: args.prefill_lengths.clone(),
         },
     };
+    if let Some(g) = group {
+        // Every rank is done loading, which takes each its own time.
+        g.rendezvous()?;
+    }
     // Watched from the first exchange with the other ranks to the last.
     let _watch = group.map(Distributed::watch);
     if let Some(g) = group {

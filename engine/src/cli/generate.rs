@@ -170,6 +170,22 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
         args.enable_thinking,
     )?;
 
+    // Loaded before the ranks meet: loading takes each rank its own time.
+    let mut drafter = match args.drafter.as_deref() {
+        Some(spec) => {
+            let drafter_options = args
+                .tuning
+                .options(loaded.model.info().dtype, args.max_tokens)?;
+            Some(
+                load_drafter(spec, &loaded, &registry, &options, &drafter_options)
+                    .with_context(|| format!("loading --drafter {spec}"))?,
+            )
+        }
+        None => None,
+    };
+    if let Some(g) = group {
+        g.rendezvous()?;
+    }
     // Watched from the first exchange with the other ranks to the last.
     let _watch = group.map(Distributed::watch);
     if let Some(g) = group {
@@ -206,7 +222,7 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
             let _ = stdout.flush();
         }
     };
-    let (output, speculative) = match args.drafter.as_deref() {
+    let (output, speculative) = match drafter.as_mut() {
         None => (
             generate(
                 loaded.model.as_ref(),
@@ -217,12 +233,7 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
             )?,
             None,
         ),
-        Some(spec) => {
-            let drafter_options = args
-                .tuning
-                .options(loaded.model.info().dtype, args.max_tokens)?;
-            let mut drafter = load_drafter(spec, &loaded, &registry, &options, &drafter_options)
-                .with_context(|| format!("loading --drafter {spec}"))?;
+        Some(drafter) => {
             let mut trace_file = match &args.trace {
                 Some(path) => Some(std::io::BufWriter::new(
                     std::fs::File::create(path)

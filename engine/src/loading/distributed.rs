@@ -164,6 +164,9 @@ struct Watch {
     /// Set once the last collective (the closing barrier) starts: from then on a peer
     /// that has finished and closed its connections is no failure.
     finishing: AtomicBool,
+    /// Set while waiting for the slowest rank to finish loading (see
+    /// [`Distributed::rendezvous`]): no timeout then, only the connection watch.
+    patient: AtomicBool,
     group: Group,
     timeout: Duration,
     /// Said when it fires: where this rank waits and on whom.
@@ -226,7 +229,9 @@ fn spawn_watchdog(watch: Arc<Watch>) {
                 exit_process(1);
             }
             let built = watch.group.collectives_built();
-            if built != seen || !watch.armed.load(Ordering::SeqCst) {
+            let timing =
+                watch.armed.load(Ordering::SeqCst) && !watch.patient.load(Ordering::SeqCst);
+            if built != seen || !timing {
                 seen = built;
                 since = Instant::now();
                 continue;
@@ -286,6 +291,19 @@ impl Distributed {
         WatchGuard {
             watch: self.watch.clone(),
         }
+    }
+
+    /// Waits for every rank to be ready (done loading, which takes as long as the
+    /// slowest disk): under the watch of the ring's connections, so a rank that died
+    /// while loading is reported, but not under the timeout, which is for steps that
+    /// the ranks compute together.
+    pub fn rendezvous(&self) -> Result<(), EngineError> {
+        self.watch.patient.store(true, Ordering::SeqCst);
+        let watching = self.watch();
+        let met = self.group.barrier();
+        drop(watching);
+        self.watch.patient.store(false, Ordering::SeqCst);
+        Ok(met?)
     }
 
     /// The sampling seed every rank uses: the one given, else one rank 0 draws and
@@ -610,6 +628,7 @@ pub fn join(settings: &Settings) -> Result<Option<Distributed>, EngineError> {
         watch: Arc::new(Watch {
             armed: AtomicBool::new(false),
             finishing: AtomicBool::new(false),
+            patient: AtomicBool::new(false),
             group: group.clone(),
             timeout: settings.timeout,
             context,
