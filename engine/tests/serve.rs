@@ -236,7 +236,16 @@ fn chat_completions_stream_the_same_text_they_answer_whole() {
         last["choices"][0]["finish_reason"],
         whole["choices"][0]["finish_reason"]
     );
-    assert_eq!(last["usage"], whole["usage"]);
+    for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(last["usage"][count], whole["usage"][count], "{count}");
+    }
+    // The same prompt again: all of it but its last token came from the prompt cache.
+    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        last["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(prompt_tokens - 1),
+        "{last}"
+    );
     dspec_stats(last);
     server.wait_for_log("POST /v1/chat/completions 200");
 }
@@ -636,5 +645,69 @@ fn the_openai_client_talks_to_dspec_serve_on_a_real_model() {
     assert!(
         tau > 1.0,
         "n-gram drafts kept on a repetitive prompt: tau {tau}"
+    );
+}
+
+/// A chat's second turn on the real SmolLM2: the prompt cache holds the first turn's
+/// prompt and answer, so the second reads only its new message, and answers what a
+/// server without a prompt cache answers.
+#[test]
+fn a_chats_second_turn_reads_only_its_new_message() {
+    let (_, model) = common::fetch_real_model("smollm2");
+    let model = model.to_str().expect("utf-8 path");
+    let cached = Server::start_model(model, None, "ngram", &[]);
+    let uncached = Server::start_model(model, None, "ngram", &["--prompt-cache-bytes", "0"]);
+    let system = "You are a helpful assistant who answers in one short paragraph. \
+                  Be precise, friendly and brief, and never repeat the question.";
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "What is the capital of France?"}),
+    ];
+    let turn = |server: &Server, messages: &[Value]| {
+        let body = json!({"model": "tiny", "messages": messages, "max_tokens": 24,
+                          "temperature": 0});
+        let (status, answer) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{answer}");
+        answer
+    };
+    let first = turn(&cached, &messages);
+    let stats = &first["dspec"]["prompt_cache"];
+    assert_eq!(stats["hit"], false, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let first_read = stats["prefilled_tokens"].as_u64().expect("prefilled");
+    assert_eq!(Some(first_read), first["usage"]["prompt_tokens"].as_u64());
+    assert!(
+        stats["entries"].as_u64() == Some(1) && stats["bytes"].as_u64() > Some(0),
+        "{first}"
+    );
+
+    let reply = first["choices"][0]["message"]["content"].clone();
+    messages.push(json!({"role": "assistant", "content": reply}));
+    messages.push(json!({"role": "user", "content": "And of Italy?"}));
+    let second = turn(&cached, &messages);
+    let stats = &second["dspec"]["prompt_cache"];
+    assert_eq!(stats["hit"], true, "{second}");
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().expect("prompt");
+    let reused = stats["cached_tokens"].as_u64().expect("cached");
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(reused)
+    );
+    assert!(
+        reused >= first_read,
+        "the first turn's prompt at least came from the cache: {second}"
+    );
+    let second_read = stats["prefilled_tokens"].as_u64().expect("prefilled");
+    assert_eq!(second_read, prompt_tokens - reused);
+    assert!(
+        second_read < first_read,
+        "the second turn read {second_read} tokens, the first {first_read}"
+    );
+
+    let without = turn(&uncached, &messages);
+    assert_eq!(without["dspec"]["prompt_cache"]["hit"], false);
+    assert_eq!(
+        second["choices"][0]["message"]["content"], without["choices"][0]["message"]["content"],
+        "the cache changes what is read, never what is answered"
     );
 }

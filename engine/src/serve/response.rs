@@ -96,6 +96,7 @@ fn add_numbers(body: &mut Value, done: &Finished) {
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": s.generated_tokens,
         "total_tokens": s.prompt_tokens + s.generated_tokens,
+        "prompt_tokens_details": { "cached_tokens": s.cached_prompt_tokens },
     });
     body["dspec"] = json!({
         "drafter": sp.drafter,
@@ -106,7 +107,16 @@ fn add_numbers(body: &mut Value, done: &Finished) {
         "acceptance_histogram": sp.acceptance_histogram,
         "draft_histogram": sp.draft_histogram,
         "draft_time_share": sp.draft_time_share,
+        "prefill_seconds": s.prefill_seconds,
         "prefill_tokens_per_second": s.prefill_tokens_per_second,
+        "prompt_cache": {
+            "hit": s.cached_prompt_tokens > 0,
+            "cached_tokens": s.cached_prompt_tokens,
+            "prefilled_tokens": s.prompt_tokens - s.cached_prompt_tokens,
+            "entries": done.prompt_cache.entries,
+            "bytes": done.prompt_cache.bytes,
+            "budget_bytes": done.prompt_cache.budget_bytes,
+        },
         "decode_tokens_per_second": s.decode_tokens_per_second,
         "stop_reason": s.stop_reason,
     });

@@ -12,8 +12,9 @@ use tokio::sync::mpsc::UnboundedSender;
 use dspec_plugin_api::Drafter;
 
 use crate::decoding::generate::{GenerationConfig, GenerationStats, StopReason};
+use crate::decoding::prompt_cache::{PromptCache, PromptCacheUsage};
 use crate::decoding::speculative::{
-    generate_speculative_cancellable, Speculation, SpeculativeStats,
+    generate_speculative_serving, ServingOptions, Speculation, SpeculativeStats,
 };
 use crate::error::EngineError;
 use crate::loading::LoadedModel;
@@ -30,6 +31,8 @@ pub struct Engine {
     pub adaptive: bool,
     /// `max_tokens` of requests that give none (`--max-tokens`).
     pub default_max_tokens: usize,
+    /// The target's caches of earlier requests (`--prompt-cache-bytes`).
+    pub prompt_cache: PromptCache,
 }
 
 /// Builds the [`Engine`] on the worker thread, where its arrays must live.
@@ -65,6 +68,8 @@ pub struct Finished {
     pub text: String,
     pub stats: GenerationStats,
     pub speculative: SpeculativeStats,
+    /// The prompt cache after this request was stored in it.
+    pub prompt_cache: PromptCacheUsage,
 }
 
 /// Starts the worker, which loads with `load` and then serves `jobs` until every
@@ -213,7 +218,7 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             cancel.store(true, Ordering::Relaxed);
         }
     };
-    let outcome = generate_speculative_cancellable(
+    let outcome = generate_speculative_serving(
         engine.loaded.model.as_ref(),
         &engine.loaded.tokenizer,
         &prompt,
@@ -225,7 +230,10 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             trace: None,
         },
         &mut on_text,
-        &|| cancel.load(Ordering::Relaxed),
+        ServingOptions {
+            cancelled: Some(&|| cancel.load(Ordering::Relaxed)),
+            prompt_cache: Some(&mut engine.prompt_cache),
+        },
     );
     let event = match outcome {
         Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
@@ -239,6 +247,7 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             text: out.text,
             stats: out.stats,
             speculative: out.speculative,
+            prompt_cache: engine.prompt_cache.usage(),
         })),
         Err(e) => Event::Failed(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
