@@ -223,13 +223,15 @@ mod tests {
         let mut store = PromptCache::new(2 * one);
         store.put(vec![1, 1, 1, 1], cache_of(4), None);
         store.put(vec![2, 2, 2, 2], cache_of(4), None);
+        // Used again (taken, then put back as it was): now the most recent.
         let again = store.take(&[1, 1, 1, 1, 5], false).unwrap();
-        store.put(vec![1, 1, 1, 1, 5], again.cache, None);
-        // Over budget now (the re-stored entry grew): the least recently used goes.
+        store.put(vec![1, 1, 1, 1], again.cache, None);
+        // A third entry is over budget: the least recently used goes.
         store.put(vec![3, 3, 3, 3], cache_of(4), None);
+        assert_eq!(store.usage().entries, 2);
         assert!(store.usage().bytes <= 2 * one);
         assert!(store.take(&[2, 2, 2, 2, 0], false).is_none());
-        assert!(store.take(&[1, 1, 1, 1, 5, 0], false).is_some());
+        assert!(store.take(&[1, 1, 1, 1, 0], false).is_some());
         // Nothing is kept that is bigger than the whole budget.
         let mut small = PromptCache::new(one - 1);
         small.put(vec![1, 2, 3, 4], cache_of(4), None);
