@@ -315,7 +315,10 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"max_tokens": 100000}), "max_tokens"),
         (json!({"n": 2}), "n"),
-        (json!({"logprobs": true}), "logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
         (
             json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
             "tools",
@@ -710,4 +713,91 @@ fn a_chats_second_turn_reads_only_its_new_message() {
         second["choices"][0]["message"]["content"], without["choices"][0]["message"]["content"],
         "the cache changes what is read, never what is answered"
     );
+}
+
+/// `logprobs` in both endpoints' shapes: one entry per generated token with its
+/// alternatives, the likeliest first; a stream carries the same entries, each chunk
+/// with its own text.
+#[test]
+fn log_probabilities_come_whole_and_streamed() {
+    let server = Server::start("ngram", &[]);
+    let body = chat_body(json!({"logprobs": true, "top_logprobs": 2}));
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs.content")
+        .clone();
+    let generated = whole["usage"]["completion_tokens"].as_u64().expect("count") as usize;
+    let eos = usize::from(whole["dspec"]["stop_reason"] == "eos");
+    assert_eq!(content.len(), generated - eos, "{whole}");
+    for entry in &content {
+        let logprob = entry["logprob"].as_f64().expect("logprob");
+        assert!(logprob <= 0.0, "{entry}");
+        let top = entry["top_logprobs"].as_array().expect("top_logprobs");
+        assert_eq!(top.len(), 2, "{entry}");
+        // Greedy: the token is the likeliest, and alternatives come in order.
+        assert!((top[0]["logprob"].as_f64().expect("top") - logprob).abs() < 1e-5);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+        let bytes: Vec<u8> = serde_json::from_value(entry["bytes"].clone()).expect("bytes");
+        assert_eq!(bytes, entry["token"].as_str().expect("token").as_bytes());
+    }
+
+    let events = stream(
+        &server,
+        "/v1/chat/completions",
+        &chat_body(json!({"logprobs": true, "top_logprobs": 2, "stream": true})),
+    );
+    let mut streamed = Vec::new();
+    let mut text = String::new();
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).expect("chunk");
+        let choice = &chunk["choices"][0];
+        text.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        if let Some(entries) = choice["logprobs"]["content"].as_array() {
+            streamed.extend(entries.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content, "the stream's entries are the answer's");
+    assert_eq!(
+        text,
+        whole["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("text")
+    );
+
+    let (status, completion) = server.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "abc abc abc", "max_tokens": 6, "temperature": 0,
+                "logprobs": 3}),
+    );
+    assert_eq!(status, 200, "{completion}");
+    let logprobs = &completion["choices"][0]["logprobs"];
+    let tokens = logprobs["tokens"].as_array().expect("tokens");
+    assert!(!tokens.is_empty());
+    for field in ["token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(
+            logprobs[field].as_array().map(Vec::len),
+            Some(tokens.len()),
+            "{field}"
+        );
+    }
+    assert_eq!(logprobs["text_offset"][0], 0);
+    // Keyed by text: alternatives that read the same (pieces of one character) merge.
+    let top = logprobs["top_logprobs"][0].as_object().expect("a map");
+    assert!((1..=3).contains(&top.len()), "{completion}");
+    let best = top
+        .values()
+        .filter_map(Value::as_f64)
+        .fold(f64::MIN, f64::max);
+    let first = logprobs["token_logprobs"][0].as_f64().expect("logprob");
+    assert!(
+        (best - first).abs() < 1e-5,
+        "greedy: the likeliest: {completion}"
+    );
+    let (status, refused) = server.post(
+        "/v1/chat/completions",
+        &chat_body(json!({"top_logprobs": 2})),
+    );
+    assert_eq!(status, 400, "{refused}");
 }

@@ -29,6 +29,7 @@ use crate::decoding::generate::{
     pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
     TextSink,
 };
+use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
 use crate::decoding::prompt_cache::PromptCache;
 use crate::decoding::sampling::Sampler;
 use crate::error::EngineError;
@@ -60,6 +61,10 @@ pub struct SpeculativeStats {
 pub struct SpeculativeOutput {
     pub text: String,
     pub tokens: Vec<u32>,
+    /// When asked for ([`ServingOptions::logprobs`]): one entry per generated token but
+    /// an ending EOS.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
     pub stats: GenerationStats,
     pub speculative: SpeculativeStats,
 }
@@ -136,6 +141,39 @@ pub struct ServingOptions<'a> {
     /// Caches of earlier sequences: the prompt's longest cached prefix is not read
     /// again, and the finished sequence's cache is stored for the next request.
     pub prompt_cache: Option<&'a mut PromptCache>,
+    /// Report each generated token's log-probability and its position's `n` likeliest
+    /// tokens (see [`crate::decoding::logprobs`]); costs a read from the device per round.
+    pub logprobs: Option<usize>,
+    /// Receives the log-probabilities of each round's committed tokens, after the
+    /// round's text went to `on_text`.
+    pub on_logprobs: Option<&'a mut LogprobsCallback<'a>>,
+}
+
+/// Receives one round's log-probabilities.
+pub type LogprobsCallback<'a> = dyn FnMut(&[TokenLogprob]) + 'a;
+
+/// Collects log-probabilities round by round, as far as tokens are committed.
+struct LogprobSink<'l> {
+    top: usize,
+    all: Vec<TokenLogprob>,
+    on_round: Option<&'l mut LogprobsCallback<'l>>,
+}
+
+impl LogprobSink<'_> {
+    /// Keeps the entries of the tokens committed (an EOS that ended generation is no
+    /// text and gets none).
+    fn keep(&mut self, mut entries: Vec<TokenLogprob>, committed: usize, stop: Option<StopReason>) {
+        entries.truncate(committed);
+        if stop == Some(StopReason::Eos) {
+            entries.pop();
+        }
+        if let Some(on_round) = self.on_round.as_deref_mut() {
+            if !entries.is_empty() {
+                on_round(&entries);
+            }
+        }
+        self.all.extend(entries);
+    }
 }
 
 /// Commits tokens one at a time, stopping exactly where plain decoding would.
@@ -210,10 +248,12 @@ impl Tally {
 struct PlainStep {
     token: Array,
     hidden: Option<Array>,
+    /// The step's logits (`[1, vocab]`), kept when log-probabilities are reported.
+    logits: Option<Array>,
 }
 
 /// The state of a speculative generation between rounds.
-struct Rounds<'a, 't> {
+struct Rounds<'a, 't, 'l> {
     model: &'a dyn TargetModel,
     cache: ModelCache,
     taps: Vec<usize>,
@@ -228,9 +268,10 @@ struct Rounds<'a, 't> {
     /// The target's states at the taps over every position fed, when a prompt cache
     /// stores them for the next request's drafter.
     kept_hidden: Option<Vec<Array>>,
+    logprobs: Option<LogprobSink<'l>>,
 }
 
-impl Rounds<'_, '_> {
+impl Rounds<'_, '_, '_> {
     /// Tokens that may still be committed (at least 1 while generation goes on).
     fn room(&self) -> usize {
         let done = self.committer.tokens.len();
@@ -307,12 +348,26 @@ impl Rounds<'_, '_> {
         self.tally.round(draft.tokens.len(), accepted);
 
         self.last = next;
+        let kept: Vec<u32> = draft.tokens[..accepted]
+            .iter()
+            .chain([&next])
+            .copied()
+            .collect();
+        let entries = match &self.logprobs {
+            Some(sink) => Some(token_logprobs(&logits, &kept, sink.top)?),
+            None => None,
+        };
         let mut stop = None;
-        for &token in draft.tokens[..accepted].iter().chain([&next]) {
+        let mut committed = 0;
+        for &token in &kept {
+            committed += 1;
             stop = self.committer.push(token)?;
             if stop.is_some() {
                 break;
             }
+        }
+        if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
+            sink.keep(entries, committed, stop);
         }
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
@@ -335,6 +390,7 @@ impl Rounds<'_, '_> {
         Ok(PlainStep {
             token,
             hidden: out.hidden,
+            logits: self.logprobs.is_some().then_some(logits),
         })
     }
 
@@ -387,7 +443,14 @@ impl Rounds<'_, '_> {
             self.tally.round(0, 0);
             hidden.extend(current.hidden.take());
             self.last = token;
+            let entries = match (&self.logprobs, &current.logits) {
+                (Some(sink), Some(logits)) => Some(token_logprobs(logits, &[token], sink.top)?),
+                _ => None,
+            };
             let stop = self.committer.push(token)?;
+            if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
+                sink.keep(entries, 1, stop);
+            }
             match (stop, queued) {
                 (Some(stop), queued) => {
                     // A step queued past the end: let it finish, so nothing is in
@@ -555,7 +618,19 @@ pub fn generate_speculative_serving(
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 
+    let mut logprobs = options.logprobs.map(|top| LogprobSink {
+        top,
+        all: Vec::new(),
+        on_round: options.on_logprobs,
+    });
+    let first_entries = match &logprobs {
+        Some(sink) => Some(token_logprobs(&logits, &[last], sink.top)?),
+        None => None,
+    };
     let mut stop = committer.push(last)?;
+    if let (Some(sink), Some(entries)) = (logprobs.as_mut(), first_entries) {
+        sink.keep(entries, 1, stop);
+    }
     let kept_hidden = match (&prompt_cache, &prompt_hidden) {
         (Some(_), Some(h)) => Some(vec![h.clone()]),
         _ => None,
@@ -572,6 +647,7 @@ pub fn generate_speculative_serving(
         tally: Tally::new(max_draft),
         last,
         kept_hidden,
+        logprobs,
     };
     let mut planned = None;
     while stop.is_none() {
@@ -586,6 +662,7 @@ pub fn generate_speculative_serving(
         tally,
         cache,
         kept_hidden,
+        logprobs,
         ..
     } = rounds;
     if let Some(store) = prompt_cache {
@@ -617,6 +694,7 @@ pub fn generate_speculative_serving(
     Ok(SpeculativeOutput {
         text: committer.sink.text,
         tokens: committer.tokens,
+        logprobs: logprobs.map(|sink| sink.all),
         stats,
         speculative,
     })

@@ -4,6 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::decoding::logprobs::MAX_TOP_LOGPROBS;
 use crate::decoding::sampling::SamplingParams;
 use crate::serve::error::ApiError;
 use crate::text::chat_template::ChatMessage;
@@ -39,6 +40,8 @@ pub struct JobRequest {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
+    /// Report each token's log-probability and this many likeliest alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// `stop`: one string or a list of them.
@@ -91,7 +94,8 @@ struct Body {
     stop: Option<StopField>,
     n: Option<u64>,
     stream: Option<bool>,
-    /// Refused when asked for: see [`refuse_unsupported`].
+    /// Chat: a boolean, with `top_logprobs` alternatives; completions: the number of
+    /// alternatives (see [`logprobs_asked`]).
     logprobs: Option<Value>,
     top_logprobs: Option<Value>,
     tools: Option<Value>,
@@ -208,13 +212,6 @@ pub fn completion_request(body: &[u8], served: &ServedModel) -> Result<JobReques
 /// Fields that ask for what dspec does not do yet: refused rather than ignored, so a
 /// client never takes a missing feature for an empty answer.
 fn refuse_unsupported(s: &Body, completions: bool) -> Result<(), ApiError> {
-    let asked = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null() && *v != false);
-    if asked(&s.logprobs) {
-        return Err(ApiError::unsupported("logprobs"));
-    }
-    if asked(&s.top_logprobs) {
-        return Err(ApiError::unsupported("top_logprobs"));
-    }
     let non_empty = |v: &Option<Value>| {
         v.as_ref()
             .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
@@ -248,6 +245,51 @@ fn refuse_unsupported(s: &Body, completions: bool) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Most alternatives per token the legacy completions API allows.
+const MAX_COMPLETION_LOGPROBS: u64 = 5;
+
+/// How many alternatives per token a request asks for, when it asks for log-probabilities
+/// at all: chat takes `logprobs: true` and `top_logprobs` (0–20), completions an integer
+/// `logprobs` (0–5), as OpenAI's API does.
+fn logprobs_asked(s: &Body, completions: bool) -> Result<Option<usize>, ApiError> {
+    let given = |v: &Option<Value>| v.as_ref().filter(|v| !v.is_null()).cloned();
+    let count = |param: &str, v: Value, most: u64| -> Result<usize, ApiError> {
+        match v.as_u64() {
+            Some(n) if n <= most => Ok(n as usize),
+            _ => Err(ApiError::invalid(
+                param,
+                format!("`{param}` must be an integer from 0 to {most}, got {v}"),
+            )),
+        }
+    };
+    if completions {
+        return given(&s.logprobs)
+            .map(|v| count("logprobs", v, MAX_COMPLETION_LOGPROBS))
+            .transpose();
+    }
+    let asked = match given(&s.logprobs) {
+        None => false,
+        Some(Value::Bool(b)) => b,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` is true or false on /v1/chat/completions, got {v}; the number of alternatives goes in `top_logprobs`"),
+            ))
+        }
+    };
+    let top = given(&s.top_logprobs)
+        .map(|v| count("top_logprobs", v, MAX_TOP_LOGPROBS as u64))
+        .transpose()?;
+    match (asked, top) {
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, Some(_)) => Err(ApiError::invalid(
+            "top_logprobs",
+            "`top_logprobs` needs `logprobs: true`",
+        )),
+        (false, None) => Ok(None),
+    }
+}
+
 fn job(
     prompt: Prompt,
     s: Body,
@@ -274,6 +316,7 @@ fn job(
         ));
     }
     refuse_unsupported(&s, completions)?;
+    let logprobs = logprobs_asked(&s, completions)?;
     let (param, max_tokens) = match (s.max_completion_tokens, s.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
         (None, m) => ("max_tokens", m),
@@ -340,6 +383,7 @@ fn job(
         },
         stop,
         stream: s.stream.unwrap_or(false),
+        logprobs,
     })
 }
 
@@ -416,7 +460,12 @@ mod tests {
             &format!("{{{msgs},\"temperature\":\"hot\"}}"),
             "temperature",
         );
-        refused(&format!("{{{msgs},\"logprobs\":true}}"), "logprobs");
+        refused(&format!("{{{msgs},\"logprobs\":3}}"), "logprobs");
+        refused(&format!("{{{msgs},\"top_logprobs\":2}}"), "top_logprobs");
+        refused(
+            &format!("{{{msgs},\"logprobs\":true,\"top_logprobs\":21}}"),
+            "top_logprobs",
+        );
         refused(
             &format!("{{{msgs},\"tools\":[{{\"type\":\"function\"}}]}}"),
             "tools",
@@ -438,5 +487,35 @@ mod tests {
             "{{{msgs},\"logprobs\":false,\"tools\":[],\"n\":1}}"
         ))
         .expect("valid");
+    }
+
+    #[test]
+    fn log_probabilities_are_asked_for_as_each_endpoint_spells_it() {
+        let msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let asked = |body: String| chat(&body).expect("valid").logprobs;
+        assert_eq!(asked(format!("{{{msgs}}}")), None);
+        assert_eq!(asked(format!("{{{msgs},\"logprobs\":false}}")), None);
+        assert_eq!(asked(format!("{{{msgs},\"logprobs\":true}}")), Some(0));
+        assert_eq!(
+            asked(format!("{{{msgs},\"logprobs\":true,\"top_logprobs\":20}}")),
+            Some(20)
+        );
+        let completion = |body: &str| completion_request(body.as_bytes(), &SERVED);
+        assert_eq!(
+            completion(r#"{"prompt":"a","logprobs":3}"#)
+                .expect("valid")
+                .logprobs,
+            Some(3)
+        );
+        assert_eq!(
+            completion(r#"{"prompt":"a","logprobs":null}"#)
+                .expect("valid")
+                .logprobs,
+            None
+        );
+        let err = completion(r#"{"prompt":"a","logprobs":6}"#).expect_err("over 5");
+        assert_eq!(err.param.as_deref(), Some("logprobs"));
+        let err = completion(r#"{"prompt":"a","logprobs":true}"#).expect_err("a boolean");
+        assert!(err.message.contains("0 to 5"), "{}", err.message);
     }
 }

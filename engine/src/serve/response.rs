@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use crate::serve::worker::{finish_reason, Finished};
+use crate::serve::worker::{finish_reason, Candidate, Finished, TokenChoice};
 
 /// Which endpoint a response is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,26 +32,79 @@ impl Envelope {
         })
     }
 
+    /// `logprobs` of a choice: `null` when not asked for, else in the endpoint's shape.
+    /// `offset`: characters of the answer before these tokens (completions'
+    /// `text_offset`).
+    pub fn logprobs(&self, choices: Option<&[TokenChoice]>, offset: usize) -> Value {
+        let Some(choices) = choices else {
+            return Value::Null;
+        };
+        match self.endpoint {
+            Endpoint::Chat => {
+                let entry = |c: &Candidate| json!({"token": c.text, "logprob": c.logprob, "bytes": c.text.as_bytes()});
+                let content: Vec<Value> = choices
+                    .iter()
+                    .map(|c| {
+                        let mut e = entry(&c.token);
+                        e["top_logprobs"] = c.top.iter().map(entry).collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Endpoint::Completions => {
+                let mut offsets = Vec::with_capacity(choices.len());
+                let mut at = offset;
+                for c in choices {
+                    offsets.push(at);
+                    at += c.token.text.chars().count();
+                }
+                let top: Vec<Value> = choices
+                    .iter()
+                    .map(|c| {
+                        // Keyed by text, as the legacy API has it: tokens that read the
+                        // same (pieces of a character) keep the likeliest's value.
+                        let mut alternatives = serde_json::Map::new();
+                        for t in &c.top {
+                            alternatives
+                                .entry(t.text.clone())
+                                .or_insert(json!(t.logprob));
+                        }
+                        Value::Object(alternatives)
+                    })
+                    .collect();
+                json!({
+                    "tokens": choices.iter().map(|c| &c.token.text).collect::<Vec<_>>(),
+                    "token_logprobs": choices.iter().map(|c| c.token.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
     /// The whole answer of a request that did not stream.
     pub fn complete(&self, done: &Finished) -> Value {
         let reason = finish_reason(done.stats.stop_reason);
+        let logprobs = self.logprobs(done.logprobs.as_deref(), 0);
         let mut body = match self.endpoint {
             Endpoint::Chat => self.object(
                 "chat.completion",
                 json!({"index": 0, "message": {"role": "assistant", "content": done.text},
-                       "logprobs": null, "finish_reason": reason}),
+                       "logprobs": logprobs, "finish_reason": reason}),
             ),
             Endpoint::Completions => self.object(
                 "text_completion",
-                json!({"index": 0, "text": done.text, "logprobs": null, "finish_reason": reason}),
+                json!({"index": 0, "text": done.text, "logprobs": logprobs, "finish_reason": reason}),
             ),
         };
         add_numbers(&mut body, done);
         body
     }
 
-    /// A streamed chunk of text (`None`: the chat stream's opening, naming the role).
-    pub fn chunk(&self, text: Option<&str>) -> Value {
+    /// A streamed chunk of text (`None`: the chat stream's opening, naming the role),
+    /// with the `logprobs` of its tokens when they are reported ([`Envelope::logprobs`]).
+    pub fn chunk(&self, text: Option<&str>, logprobs: Value) -> Value {
         match self.endpoint {
             Endpoint::Chat => {
                 let delta = match text {
@@ -60,12 +113,12 @@ impl Envelope {
                 };
                 self.object(
                     "chat.completion.chunk",
-                    json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null}),
+                    json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}),
                 )
             }
             Endpoint::Completions => self.object(
                 "text_completion",
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": null}),
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": null}),
             ),
         }
     }

@@ -16,7 +16,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::serve::error::ApiError;
@@ -240,6 +240,7 @@ async fn handle(
         Err(e) => return e.into_response(),
     };
     let stream = request.stream;
+    let with_logprobs = request.logprobs.is_some();
     let (events_tx, mut events) = unbounded_channel();
     let mut cancellation = Cancellation {
         flag: Arc::new(AtomicBool::new(false)),
@@ -293,12 +294,13 @@ async fn handle(
         model: state.model_id.clone(),
     };
     if stream {
-        return streamed(envelope, events, cancellation);
+        return streamed(envelope, events, cancellation, with_logprobs);
     }
     loop {
         match events.recv().await {
             Some(Event::Text(_)) => cancellation.pieces += 1,
-            Some(Event::Started) => {}
+            // The answer's log-probabilities come whole with `Done`.
+            Some(Event::Started | Event::Logprobs(_)) => {}
             Some(Event::Done(done)) => {
                 cancellation.done = true;
                 let mut response = Json(envelope.complete(&done)).into_response();
@@ -340,6 +342,14 @@ struct StreamState {
     events: UnboundedReceiver<Event>,
     phase: Phase,
     cancellation: Cancellation,
+    /// With log-probabilities, text waits for its round's (which follow it): each chunk
+    /// then carries its text and its tokens' log-probabilities together.
+    with_logprobs: bool,
+    pending_text: String,
+    /// Characters sent before the pending text (completions' `text_offset`).
+    sent_chars: usize,
+    /// The end of the job, held while pending text goes out first.
+    finished: Option<Event>,
 }
 
 fn sse(value: &serde_json::Value) -> Result<SseEvent, Infallible> {
@@ -354,16 +364,41 @@ impl StreamState {
                 Phase::Opening => {
                     self.phase = Phase::Text;
                     if self.envelope.endpoint == Endpoint::Chat {
-                        return Some(sse(&self.envelope.chunk(None)));
+                        return Some(sse(&self.envelope.chunk(None, Value::Null)));
                     }
                 }
                 Phase::Text => {
-                    let event = self.events.recv().await;
+                    let event = match self.finished.take() {
+                        Some(end) => Some(end),
+                        None => self.events.recv().await,
+                    };
                     let (status, body, tokens) = match event {
                         Some(Event::Started) => continue,
+                        Some(Event::Text(t)) if self.with_logprobs => {
+                            self.pending_text.push_str(&t);
+                            continue;
+                        }
                         Some(Event::Text(t)) => {
                             self.cancellation.pieces += 1;
-                            return Some(sse(&self.envelope.chunk(Some(&t))));
+                            return Some(sse(&self.envelope.chunk(Some(&t), Value::Null)));
+                        }
+                        Some(Event::Logprobs(choices)) => {
+                            let logprobs = self.envelope.logprobs(Some(&choices), self.sent_chars);
+                            let text = std::mem::take(&mut self.pending_text);
+                            self.sent_chars += choices
+                                .iter()
+                                .map(|c| c.token.text.chars().count())
+                                .sum::<usize>();
+                            self.cancellation.pieces += 1;
+                            return Some(sse(&self.envelope.chunk(Some(&text), logprobs)));
+                        }
+                        // Text still waiting (the end of a stop string's hold-back) goes
+                        // out before the end.
+                        Some(end @ Event::Done(_)) if !self.pending_text.is_empty() => {
+                            self.finished = Some(end);
+                            let text = std::mem::take(&mut self.pending_text);
+                            let empty = self.envelope.logprobs(Some(&[]), self.sent_chars);
+                            return Some(sse(&self.envelope.chunk(Some(&text), empty)));
                         }
                         Some(Event::Done(done)) => (
                             200,
@@ -393,12 +428,17 @@ fn streamed(
     envelope: Envelope,
     events: UnboundedReceiver<Event>,
     cancellation: Cancellation,
+    with_logprobs: bool,
 ) -> Response {
     let state = StreamState {
         envelope,
         events,
         phase: Phase::Opening,
         cancellation,
+        with_logprobs,
+        pending_text: String::new(),
+        sent_chars: 0,
+        finished: None,
     };
     let stream = futures_util::stream::unfold(state, |mut state| async move {
         state.next().await.map(|event| (event, state))

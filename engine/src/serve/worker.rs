@@ -12,6 +12,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use dspec_plugin_api::Drafter;
 
 use crate::decoding::generate::{GenerationConfig, GenerationStats, StopReason};
+use crate::decoding::logprobs::TokenLogprob;
 use crate::decoding::prompt_cache::{PromptCache, PromptCacheUsage};
 use crate::decoding::speculative::{
     generate_speculative_serving, ServingOptions, Speculation, SpeculativeStats,
@@ -53,13 +54,31 @@ pub struct Job {
     pub cancel: Arc<AtomicBool>,
 }
 
-/// How a job goes, in order: `Started` or `Failed` first, then `Text`s and `Done`.
+/// How a job goes, in order: `Started` or `Failed` first, then `Text`s and `Done`; a
+/// job that asked for log-probabilities gets them after each round's `Text`s.
 #[derive(Debug)]
 pub enum Event {
     Started,
     Text(String),
+    Logprobs(Vec<TokenChoice>),
     Done(Box<Finished>),
     Failed(ApiError),
+}
+
+/// A generated token's log-probability with its text, and its position's likeliest
+/// tokens (most likely first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenChoice {
+    pub token: Candidate,
+    pub top: Vec<Candidate>,
+}
+
+/// A token as a client reads it: its text (decoded alone; a piece of a multi-byte
+/// character reads as U+FFFD) and its log-probability.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub text: String,
+    pub logprob: f32,
 }
 
 /// A finished generation's text and numbers.
@@ -70,6 +89,8 @@ pub struct Finished {
     pub speculative: SpeculativeStats,
     /// The prompt cache after this request was stored in it.
     pub prompt_cache: PromptCacheUsage,
+    /// When asked for: one entry per generated token but an ending EOS.
+    pub logprobs: Option<Vec<TokenChoice>>,
 }
 
 /// Starts the worker, which loads with `load` and then serves `jobs` until every
@@ -218,6 +239,23 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             cancel.store(true, Ordering::Relaxed);
         }
     };
+    let tokenizer = &engine.loaded.tokenizer;
+    let choices = |entries: &[TokenLogprob]| -> Vec<TokenChoice> {
+        let candidate = |id: u32, logprob: f32| Candidate {
+            text: tokenizer.decode(&[id], false).unwrap_or_default(),
+            logprob,
+        };
+        entries
+            .iter()
+            .map(|e| TokenChoice {
+                token: candidate(e.token, e.logprob),
+                top: e.top.iter().map(|&(id, lp)| candidate(id, lp)).collect(),
+            })
+            .collect()
+    };
+    let mut on_logprobs = |entries: &[TokenLogprob]| {
+        let _ = events.send(Event::Logprobs(choices(entries)));
+    };
     let outcome = generate_speculative_serving(
         engine.loaded.model.as_ref(),
         &engine.loaded.tokenizer,
@@ -233,6 +271,8 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
         ServingOptions {
             cancelled: Some(&|| cancel.load(Ordering::Relaxed)),
             prompt_cache: Some(&mut engine.prompt_cache),
+            logprobs: request.logprobs,
+            on_logprobs: Some(&mut on_logprobs),
         },
     );
     let event = match outcome {
@@ -248,6 +288,7 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             stats: out.stats,
             speculative: out.speculative,
             prompt_cache: engine.prompt_cache.usage(),
+            logprobs: out.logprobs.as_deref().map(choices),
         })),
         Err(e) => Event::Failed(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
