@@ -1,6 +1,7 @@
 //! The HTTP side: routes, request logging, and turning a job's events into a JSON
 //! answer or a Server-Sent Events stream. Nothing here touches MLX.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
@@ -340,6 +341,8 @@ struct StreamState {
     events: UnboundedReceiver<Event>,
     phase: Phase,
     cancellation: Cancellation,
+    /// The closing chunks still to send (tool calls, then the last chunk).
+    closing: VecDeque<serde_json::Value>,
 }
 
 fn sse(value: &serde_json::Value) -> Result<SseEvent, Infallible> {
@@ -359,27 +362,35 @@ impl StreamState {
                 }
                 Phase::Text => {
                     let event = self.events.recv().await;
-                    let (status, body, tokens) = match event {
+                    let (status, tokens) = match event {
                         Some(Event::Started) => continue,
                         Some(Event::Text(t)) => {
                             self.cancellation.pieces += 1;
                             return Some(sse(&self.envelope.chunk(Some(&t))));
                         }
-                        Some(Event::Done(done)) => (
-                            200,
-                            self.envelope.last_chunk(&done),
-                            Some(done.stats.generated_tokens),
-                        ),
+                        Some(Event::Done(done)) => {
+                            self.closing.extend(self.envelope.tool_call_chunks(&done));
+                            self.closing.push_back(self.envelope.last_chunk(&done));
+                            (200, Some(done.stats.generated_tokens))
+                        }
                         // Headers are out: a failure now can only be told in the stream.
-                        Some(Event::Failed(e)) => (e.status.as_u16(), e.body(), None),
-                        None => (500, worker_gone().body(), None),
+                        Some(Event::Failed(e)) => {
+                            self.closing.push_back(e.body());
+                            (e.status.as_u16(), None)
+                        }
+                        None => {
+                            self.closing.push_back(worker_gone().body());
+                            (500, None)
+                        }
                     };
                     self.phase = Phase::Closing;
                     self.cancellation.done = true;
                     self.cancellation.log.write(status, tokens, " streamed");
-                    return Some(sse(&body));
                 }
                 Phase::Closing => {
+                    if let Some(chunk) = self.closing.pop_front() {
+                        return Some(sse(&chunk));
+                    }
                     self.phase = Phase::Ended;
                     return Some(Ok(SseEvent::default().data("[DONE]")));
                 }
@@ -399,6 +410,7 @@ fn streamed(
         events,
         phase: Phase::Opening,
         cancellation,
+        closing: VecDeque::new(),
     };
     let stream = futures_util::stream::unfold(state, |mut state| async move {
         state.next().await.map(|event| (event, state))
