@@ -1,6 +1,7 @@
 //! The HTTP side: routes, request logging, and turning a job's events into a JSON
 //! answer or a Server-Sent Events stream. Nothing here touches MLX.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
@@ -348,8 +349,9 @@ struct StreamState {
     pending_text: String,
     /// Characters sent before the pending text (completions' `text_offset`).
     sent_chars: usize,
-    /// The end of the job, held while pending text goes out first.
-    finished: Option<Event>,
+    /// The closing chunks still to send (text still pending, tool calls, then the last
+    /// chunk).
+    closing: VecDeque<serde_json::Value>,
 }
 
 fn sse(value: &serde_json::Value) -> Result<SseEvent, Infallible> {
@@ -368,11 +370,8 @@ impl StreamState {
                     }
                 }
                 Phase::Text => {
-                    let event = match self.finished.take() {
-                        Some(end) => Some(end),
-                        None => self.events.recv().await,
-                    };
-                    let (status, body, tokens) = match event {
+                    let event = self.events.recv().await;
+                    let (status, tokens) = match event {
                         Some(Event::Started) => continue,
                         Some(Event::Text(t)) if self.with_logprobs => {
                             self.pending_text.push_str(&t);
@@ -392,29 +391,37 @@ impl StreamState {
                             self.cancellation.pieces += 1;
                             return Some(sse(&self.envelope.chunk(Some(&text), logprobs)));
                         }
-                        // Text still waiting (the end of a stop string's hold-back) goes
-                        // out before the end.
-                        Some(end @ Event::Done(_)) if !self.pending_text.is_empty() => {
-                            self.finished = Some(end);
-                            let text = std::mem::take(&mut self.pending_text);
-                            let empty = self.envelope.logprobs(Some(&[]), self.sent_chars);
-                            return Some(sse(&self.envelope.chunk(Some(&text), empty)));
+                        Some(Event::Done(done)) => {
+                            // Text still waiting (the end of a stop string's or a tool
+                            // call marker's hold-back) goes out before the end.
+                            if !self.pending_text.is_empty() {
+                                let text = std::mem::take(&mut self.pending_text);
+                                let none = self.envelope.logprobs(Some(&[]), self.sent_chars);
+                                self.closing
+                                    .push_back(self.envelope.chunk(Some(&text), none));
+                            }
+                            self.closing.extend(self.envelope.tool_call_chunks(&done));
+                            self.closing.push_back(self.envelope.last_chunk(&done));
+                            (200, Some(done.stats.generated_tokens))
                         }
-                        Some(Event::Done(done)) => (
-                            200,
-                            self.envelope.last_chunk(&done),
-                            Some(done.stats.generated_tokens),
-                        ),
                         // Headers are out: a failure now can only be told in the stream.
-                        Some(Event::Failed(e)) => (e.status.as_u16(), e.body(), None),
-                        None => (500, worker_gone().body(), None),
+                        Some(Event::Failed(e)) => {
+                            self.closing.push_back(e.body());
+                            (e.status.as_u16(), None)
+                        }
+                        None => {
+                            self.closing.push_back(worker_gone().body());
+                            (500, None)
+                        }
                     };
                     self.phase = Phase::Closing;
                     self.cancellation.done = true;
                     self.cancellation.log.write(status, tokens, " streamed");
-                    return Some(sse(&body));
                 }
                 Phase::Closing => {
+                    if let Some(chunk) = self.closing.pop_front() {
+                        return Some(sse(&chunk));
+                    }
                     self.phase = Phase::Ended;
                     return Some(Ok(SseEvent::default().data("[DONE]")));
                 }
@@ -438,7 +445,7 @@ fn streamed(
         with_logprobs,
         pending_text: String::new(),
         sent_chars: 0,
-        finished: None,
+        closing: VecDeque::new(),
     };
     let stream = futures_util::stream::unfold(state, |mut state| async move {
         state.next().await.map(|event| (event, state))
