@@ -661,6 +661,61 @@ mod tests {
         assert_eq!(parse(&nested).unwrap().block_size, 16);
     }
 
+    /// A drafter for a Qwen3.5 target, in the layout of the published Qwen3.5 drafter
+    /// configs (transformers 5 keys, the taps and mask token inside `dflash_config`),
+    /// shaped for a 32-layer target of width 2560 with Qwen3.5's vocabulary.
+    fn qwen3_5_drafter(taps: &str, mask: u32) -> String {
+        format!(
+            r#"{{
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9728,
+            "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+            "rope_parameters": {{"rope_type": "default", "rope_theta": 10000000}},
+            "max_position_embeddings": 262144, "attention_bias": false,
+            "layer_types": ["full_attention", "full_attention", "full_attention",
+                            "full_attention", "full_attention"],
+            "use_sliding_window": false, "sliding_window": null, "max_window_layers": 5,
+            "tie_word_embeddings": false, "dtype": "bfloat16", "block_size": 16,
+            "num_target_layers": 32,
+            "dflash_config": {{"target_layer_ids": {taps}, "mask_token_id": {mask}}}
+        }}"#
+        )
+    }
+
+    /// Drafters for one Qwen3.5 target differ in their taps and mask token: both are
+    /// read from the config, never assumed, and both fit the hybrid target (taps on
+    /// Gated DeltaNet layers as well as attention layers).
+    #[test]
+    fn reads_qwen3_5_drafter_configs_with_their_own_taps_and_mask_token() {
+        let target = ModelInfo {
+            model_type: "qwen3_5".into(),
+            num_layers: 32,
+            hidden_size: 2560,
+            vocab_size: 248320,
+            dtype: Dtype::Bfloat16,
+            quantized_bits: None,
+            max_context: Some(262144),
+        };
+        for (taps, mask) in [
+            (vec![1, 8, 15, 22, 29], 248070),
+            (vec![2, 9, 16, 23, 31], 248077),
+        ] {
+            let c = parse(&qwen3_5_drafter(&format!("{taps:?}"), mask)).unwrap();
+            assert_eq!((c.target_layer_ids.clone(), c.mask_token_id), (taps, mask));
+            assert_eq!(c.block_size, 16);
+            assert_eq!(c.windows, vec![None; 5]);
+            assert_eq!(c.common.rope().0, 10_000_000.0);
+            assert_eq!(c.fc_inputs(), 5 * 2560);
+            c.check_fits(&target).unwrap_or_else(|m| panic!("{m}"));
+        }
+        let m = parse(&qwen3_5_drafter("[1, 8, 32]", 248070))
+            .unwrap()
+            .check_fits(&target)
+            .unwrap_err();
+        assert!(m.contains("layer 32") && m.contains("32 layers"), "{m}");
+    }
+
     #[test]
     fn reads_sliding_layers_and_v5_rope_parameters() {
         let c = parse(&with(

@@ -83,8 +83,9 @@ enum Reply {
     Fed,
     Tokens(Drafted),
     Logits(Vec<f32>),
+    /// With the positions the latest `begin` found already read.
     #[cfg(test)]
-    Settled,
+    Settled(usize),
 }
 
 /// A round's drafts.
@@ -207,10 +208,15 @@ impl DraftThread {
         }
     }
 
+    /// Waits until drafting ahead stops; returns the positions the latest `begin`
+    /// found already read.
     #[cfg(test)]
-    fn settle(&mut self) -> Result<()> {
+    fn settle(&mut self) -> Result<usize> {
         self.send(Request::Settle)?;
-        self.collect().map(drop)
+        match self.collect()? {
+            Reply::Settled(kept) => Ok(kept),
+            _ => Err(unexpected()),
+        }
     }
 }
 
@@ -285,6 +291,8 @@ struct Chain {
     failed: Option<ModelError>,
     /// Positions a generation may add after its prompt, when known.
     max_new_tokens: Option<usize>,
+    #[cfg(test)]
+    kept_at_begin: usize,
 }
 
 impl Chain {
@@ -311,6 +319,8 @@ impl Chain {
             kept_all: 1.0,
             failed: None,
             max_new_tokens,
+            #[cfg(test)]
+            kept_at_begin: 0,
         }
     }
 
@@ -343,7 +353,7 @@ impl Chain {
                 while self.wants_more() {
                     self.extend()?;
                 }
-                Ok(Reply::Settled)
+                Ok(Reply::Settled(self.kept_at_begin))
             }
         };
         if reply.is_err() {
@@ -463,21 +473,39 @@ impl Chain {
     }
 
     fn begin(&mut self, prompt: Vec<u32>) -> Result<()> {
+        // The sequence before may share a prefix with this one (a server's next request:
+        // a chat's next turn): its positions are kept, not read again. After a failure
+        // the cache may be half-updated, and is read afresh.
+        let readable = self.committed.is_some() && self.resolve().is_ok();
+        let shared = match readable {
+            true => common_prefix(&self.host, &prompt).min(self.fed),
+            false => 0,
+        };
         self.committed = None;
         self.last_drafts.clear();
-        self.cache = self.model.new_cache();
-        self.cache.set_rollback_window(ROLLBACK_WINDOW);
+        self.lazy.clear();
+        let kept = match shared {
+            0 => 0,
+            _ => self.rewind_to(shared, prompt.len())?,
+        };
+        #[cfg(test)]
+        {
+            self.kept_at_begin = kept;
+        }
+        if kept == 0 {
+            self.cache = self.model.new_cache();
+            self.cache.set_rollback_window(ROLLBACK_WINDOW);
+        }
         if let Some(room) = self.max_new_tokens {
             reserve_for_generation(&mut self.cache, prompt.len() + room);
         }
-        self.lazy.clear();
-        for chunk in prompt.chunks(PREFILL_CHUNK) {
+        for chunk in prompt[kept..].chunks(PREFILL_CHUNK) {
             let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
             // Only the cache is wanted: the logits stay unevaluated.
             self.model.forward(&tokens, &mut self.cache, &[])?;
             mlx_rs::transforms::eval(self.cache.state())?;
         }
-        if whole_buffer_pays() {
+        if kept == 0 && whole_buffer_pays() {
             // A continuation over the whole buffer has an attention plan of its own to
             // build the first time (docs/benchmarks.md, "Where the time goes on CUDA"):
             // built now, while the target reads the prompt, not at the first catch-up.
@@ -665,6 +693,33 @@ mod tests {
     /// A long catch-up (a run of plain steps committed at once) goes in pieces: the
     /// drafts after it are the ones a thread that read the whole sequence as its prompt
     /// makes.
+    /// A server's next request (a chat's next turn) starts where the sequence before left
+    /// off: the shared prefix stays read, drafting ahead included, and the drafts are
+    /// those of a thread that read the new prompt from scratch.
+    #[test]
+    fn a_new_prompt_keeps_what_it_shares_with_the_sequence_before() {
+        let dir = model_dir(29);
+        let mut reused = spawn(&dir, DraftAhead::Eager);
+        let first = reused.draft(vec![35], 3).expect("a round").tokens;
+        reused.settle().expect("ahead");
+        let mut next = PROMPT.to_vec();
+        next.push(35);
+        next.extend_from_slice(&first[..2]);
+        next.extend_from_slice(&[11, 12]);
+        reused.begin(&next).expect("begin again");
+        assert_eq!(reused.settle().expect("kept"), PROMPT.len() + 3);
+        let drafts = reused.draft(vec![40], 4).expect("reused").tokens;
+
+        let mut fresh = spawn_unstarted(&dir, DraftAhead::Off);
+        fresh.begin(&next).expect("begin");
+        assert_eq!(fresh.settle().expect("kept"), 0);
+        assert_eq!(drafts, fresh.draft(vec![40], 4).expect("fresh").tokens);
+
+        // A prompt sharing nothing reads everything.
+        reused.begin(&[7, 8, 9]).expect("begin a third time");
+        assert_eq!(reused.settle().expect("kept"), 0);
+    }
+
     #[test]
     fn a_long_catch_up_drafts_what_reading_it_whole_does() {
         let dir = model_dir(23);

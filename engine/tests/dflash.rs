@@ -6,8 +6,7 @@
 
 use std::path::Path;
 
-use mlx_rs::ops::indexing::argmax_axis;
-use mlx_rs::{Array, Dtype};
+use mlx_rs::Array;
 
 use dspec_adapters::fixtures::with;
 use dspec_drafters::dflash::{write_random_checkpoint, DFlashDrafter, TINY_DFLASH};
@@ -16,12 +15,14 @@ use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{
-    Draft, Drafter, DrafterLoadRequest, DrafterOptions, ModelError, Picked, TargetModel,
-    TokenPicker,
+    Draft, Drafter, DrafterLoadRequest, DrafterOptions, ModelError, TargetModel, TokenPicker,
 };
 
 mod common;
-use common::{greedy, greedy_config, read_config, speculate, tiny_target as load_target};
+use common::{
+    greedy, greedy_config, make_dflash_repeat, max_abs_diff, read_config, speculate,
+    tiny_target as load_target, Argmax,
+};
 
 /// Loads a DFlash checkpoint through the registry, as the engine does.
 fn load_drafter(
@@ -238,35 +239,6 @@ fn four_bit_drafter_keeps_greedy_output_exact() {
         assert_eq!(out.tokens, truth, "{text:?}");
     }
     assert!(drafter.proposed > 0);
-}
-
-/// Argmax on the host, like the engine's greedy picker, remembering the logits.
-#[derive(Default)]
-struct Argmax {
-    logits: Vec<Array>,
-}
-
-impl TokenPicker for Argmax {
-    fn is_greedy(&self) -> bool {
-        true
-    }
-    fn pick(&mut self, logits: &Array) -> ModelResult<Picked> {
-        self.logits.push(logits.as_dtype(Dtype::Float32)?);
-        let ids = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
-        ids.eval()?;
-        Ok(Picked {
-            tokens: ids.as_slice::<u32>().to_vec(),
-            probs: None,
-        })
-    }
-}
-
-fn max_abs_diff(a: &Array, b: &Array) -> f32 {
-    assert_eq!(a.shape(), b.shape());
-    mlx_rs::ops::max(mlx_rs::ops::abs(a.subtract(b).unwrap()).unwrap(), None)
-        .unwrap()
-        .try_item_cast::<f32>()
-        .unwrap()
 }
 
 /// Drives a drafter by hand through rounds of a known continuation, checking after
@@ -514,24 +486,7 @@ fn repeater(mask: u32, seed: u64) -> tempfile::TempDir {
         &format!(r#"{{"dflash_config": {{"target_layer_ids": [0, 1], "mask_token_id": {mask}}}}}"#),
     );
     let dir = write_drafter(&config, seed);
-    let file = dir.path().join("model.safetensors");
-    let tensors = Array::load_safetensors(&file).unwrap();
-    let edited: Vec<(String, Array)> = tensors
-        .into_iter()
-        .map(|(name, t)| {
-            let t = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
-                mlx_rs::ops::zeros_like(&t).unwrap()
-            } else if name == "norm.weight" {
-                mlx_rs::ops::ones_like(&t).unwrap()
-            } else {
-                t
-            };
-            (name, t)
-        })
-        .collect();
-    // MLX reads lazily: materialise everything before the file is overwritten.
-    mlx_rs::transforms::eval(edited.iter().map(|(_, a)| a)).unwrap();
-    Array::save_safetensors(edited.iter().map(|(n, a)| (n.as_str(), a)), None, &file).unwrap();
+    make_dflash_repeat(dir.path());
     dir
 }
 

@@ -21,10 +21,7 @@ use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, DrafterOptions, Picked, TargetModel, TokenPicker};
 
 mod common;
-use common::{greedy, greedy_config, read_config, speculate, tiny_target};
-
-const VOCAB: usize = 259;
-const MARKOV_RANK: usize = 32;
+use common::{greedy, greedy_config, read_config, speculate, teach_markov_head, tiny_target};
 
 #[derive(Debug, Clone, Copy)]
 enum Family {
@@ -65,8 +62,8 @@ fn load_drafter(
     common::load_checkpoint_drafter("dspark", dir, config, model, &options)
 }
 
-/// Rewrites the Markov head so that after token `a` it proposes `b` (by a margin no
-/// base logit reaches) for the most frequent transitions a → b of `truth`.
+/// Teaches the Markov head the most frequent transitions a → b of `truth` (after token
+/// `a`, strongly propose `b`), one per `a`, most frequent first.
 fn teach_transitions(dir: &Path, truth: &[u32]) {
     let mut counts: HashMap<(u32, u32), usize> = HashMap::new();
     for pair in truth.windows(2) {
@@ -80,27 +77,8 @@ fn teach_transitions(dir: &Path, truth: &[u32]) {
     }
     let mut by_count: Vec<(u32, (u32, usize))> = best.into_iter().collect();
     by_count.sort_by_key(|&(a, (_, n))| (std::cmp::Reverse(n), a));
-    let mut w1 = vec![0f32; VOCAB * MARKOV_RANK];
-    let mut w2 = vec![0f32; VOCAB * MARKOV_RANK];
-    for (j, (a, (b, _))) in by_count.into_iter().take(MARKOV_RANK).enumerate() {
-        w1[a as usize * MARKOV_RANK + j] = 1.0;
-        w2[b as usize * MARKOV_RANK + j] = 100.0;
-    }
-    let file = dir.join("model.safetensors");
-    let mut tensors: Vec<(String, Array)> = Array::load_safetensors(&file)
-        .unwrap()
-        .into_iter()
-        .collect();
-    for (name, array) in tensors.iter_mut() {
-        let shape = [VOCAB as i32, MARKOV_RANK as i32];
-        match name.as_str() {
-            "markov_head.markov_w1.weight" => *array = Array::from_slice(&w1, &shape),
-            "markov_head.markov_w2.weight" => *array = Array::from_slice(&w2, &shape),
-            // MLX reads lazily: materialise before the file is overwritten.
-            _ => array.eval().unwrap(),
-        }
-    }
-    Array::save_safetensors(tensors.iter().map(|(n, a)| (n.as_str(), a)), None, &file).unwrap();
+    let pairs: Vec<(u32, u32)> = by_count.into_iter().map(|(a, (b, _))| (a, b)).collect();
+    teach_markov_head(dir, &pairs);
 }
 
 /// A DSpark checkpoint of `family`, taught `truth` when given.

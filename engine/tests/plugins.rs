@@ -635,6 +635,75 @@ fn cli_errors_for_bad_plugins_are_clear() {
     );
 }
 
+/// A plugin whose cache keeps recurrent state (two positions back unless the host asks
+/// for more), generating with drafts that are rejected six at a time. Built with the
+/// rollback entries, it learns from the engine how far rounds roll back and keeps that
+/// many states; laid out as plugins built before those entries are, it still loads and
+/// keeps what v1 meant without them: the engine cannot ask, and the plugin refuses the
+/// first rollback past its own window, naming how far it can go.
+#[test]
+fn cli_sizes_a_recurrent_plugin_cache_and_older_descriptor_layouts_still_load() {
+    let p = plugins();
+    let fault = s(&p.fault);
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(dir.path(), "{}", 1).expect("tiny model files");
+    let config = json!({"model_type": "faulty", "fault": "recurrent", "vocab_size": 259});
+    std::fs::write(dir.path().join("config.json"), config.to_string()).expect("write config");
+    // The model always predicts `a`, so n-gram's continuations of the prompt's earlier
+    // `abc`s are rejected until the output's own `aaa` takes over.
+    let args = [
+        "generate",
+        "--plugin",
+        fault,
+        "--target",
+        s(dir.path()),
+        "--prompt",
+        "abcabcabcabc",
+        "--max-tokens",
+        "16",
+        "--drafter",
+        "ngram",
+        "--max-draft",
+        "6",
+        "--json",
+    ];
+    let old_layout = [("DSPEC_FAULT_PLUGIN_LAYOUT", "first-v1")];
+
+    let out: serde_json::Value = serde_json::from_str(&ok(&args, &[])).expect("JSON report");
+    assert_eq!(out["text"], "a".repeat(16), "{out}");
+    let spec = &out["speculative"];
+    let rejected_past_two = spec["draft_histogram"]
+        .as_array()
+        .expect("draft histogram")
+        .iter()
+        .skip(3)
+        .any(|rounds| rounds.as_u64() > Some(0));
+    assert!(
+        rejected_past_two && spec["acceptance_histogram"][0].as_u64() > Some(0),
+        "rounds of more than two drafts, some rejected in full: {spec}"
+    );
+
+    let listing = ok(&["adapters", "--plugin", fault], &old_layout);
+    let row = listing
+        .lines()
+        .find(|l| l.starts_with("faulty "))
+        .unwrap_or_else(|| panic!("no faulty row:\n{listing}"));
+    assert!(row.contains("ABI v1"), "{row}");
+    let err = fails(&args, &old_layout);
+    assert!(
+        err.contains("cache_trim") && err.contains("at most 2"),
+        "{err}"
+    );
+    let plain = [&args[..9], &["--json"]].concat();
+    let out: serde_json::Value =
+        serde_json::from_str(&ok(&plain, &old_layout)).expect("JSON report");
+    assert_eq!(
+        out["text"],
+        "a".repeat(16),
+        "plain decoding needs no rollback"
+    );
+}
+
 /// DFlash and DSpark draft from the target's tap outputs and (DFlash) through its
 /// embedding and lm_head: all of it crosses the C ABI here, and the output must still
 /// be plain greedy decoding's.

@@ -236,7 +236,16 @@ fn chat_completions_stream_the_same_text_they_answer_whole() {
         last["choices"][0]["finish_reason"],
         whole["choices"][0]["finish_reason"]
     );
-    assert_eq!(last["usage"], whole["usage"]);
+    for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(last["usage"][count], whole["usage"][count], "{count}");
+    }
+    // The same prompt again: all of it but its last token came from the prompt cache.
+    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        last["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(prompt_tokens - 1),
+        "{last}"
+    );
     dspec_stats(last);
     server.wait_for_log("POST /v1/chat/completions 200");
 }
@@ -306,10 +315,23 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"max_tokens": 100000}), "max_tokens"),
         (json!({"n": 2}), "n"),
-        (json!({"logprobs": true}), "logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        // The tiny model's template never reads `tools`.
         (
             json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
             "tools",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": ""}}]}),
+            "tools[0].function.name",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                   "tool_choice": "required"}),
+            "tool_choice",
         ),
         (json!({"messages": "hi"}), "messages"),
     ] {
@@ -321,6 +343,15 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         &chat_body(json!({"model": "gpt-4o"})),
     );
     error(status, &body, 404, Some("model"));
+    let (_, body) = server.post(
+        "/v1/chat/completions",
+        &chat_body(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+    );
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("the model's chat template does not support tools"),
+        "{body}"
+    );
 
     // 300 byte tokens: over the tiny model's 256-token context.
     let long = "ab".repeat(150);
@@ -584,27 +615,21 @@ out["tau"] = repeated.model_extra["dspec"]["tau"]
 print(json.dumps(out))
 "#;
 
-/// The official `openai` Python client (installed by `scripts/setup.sh --test-clients`)
-/// against `dspec serve` on the real SmolLM2-135M with n-gram speculation.
-#[test]
-fn the_openai_client_talks_to_dspec_serve_on_a_real_model() {
+/// Runs `script` with the official `openai` Python client (installed by
+/// `scripts/setup.sh --test-clients`), the server's URL and `args` as its arguments;
+/// returns the JSON it prints.
+fn openai_client(server: &Server, script: &str, args: &[&str]) -> Value {
     let client = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/openai-client");
     assert!(
         client.join("openai").is_dir(),
         "the openai Python client is missing from {}: run scripts/setup.sh --test-clients",
         client.display()
     );
-    let (_, model) = common::fetch_real_model("smollm2");
-    let server = Server::start_model(
-        model.to_str().expect("utf-8 path"),
-        None,
-        "ngram",
-        &["--max-draft", "4"],
-    );
     let out = Command::new("python3")
         .arg("-c")
-        .arg(OPENAI_CLIENT_SCRIPT)
+        .arg(script)
         .arg(format!("http://{}", server.addr))
+        .args(args)
         .env("PYTHONPATH", &client)
         .output()
         .expect("run python3");
@@ -614,7 +639,21 @@ fn the_openai_client_talks_to_dspec_serve_on_a_real_model() {
         String::from_utf8_lossy(&out.stderr),
         server.log.lock().unwrap()
     );
-    let got: Value = serde_json::from_slice(&out.stdout).expect("the script's JSON");
+    serde_json::from_slice(&out.stdout).expect("the script's JSON")
+}
+
+/// The official `openai` Python client against `dspec serve` on the real SmolLM2-135M
+/// with n-gram speculation.
+#[test]
+fn the_openai_client_talks_to_dspec_serve_on_a_real_model() {
+    let (_, model) = common::fetch_real_model("smollm2");
+    let server = Server::start_model(
+        model.to_str().expect("utf-8 path"),
+        None,
+        "ngram",
+        &["--max-draft", "4"],
+    );
+    let got = openai_client(&server, OPENAI_CLIENT_SCRIPT, &[]);
     assert_eq!(got["models"], json!(["tiny"]));
     let chat = got["chat"].as_str().expect("chat text");
     assert!(!chat.trim().is_empty(), "{got}");
@@ -637,4 +676,400 @@ fn the_openai_client_talks_to_dspec_serve_on_a_real_model() {
         tau > 1.0,
         "n-gram drafts kept on a repetitive prompt: tau {tau}"
     );
+}
+
+/// A chat's second turn on the real SmolLM2: the prompt cache holds the first turn's
+/// prompt and answer, so the second reads only its new message, and answers what a
+/// server without a prompt cache answers.
+#[test]
+fn a_chats_second_turn_reads_only_its_new_message() {
+    let (_, model) = common::fetch_real_model("smollm2");
+    let model = model.to_str().expect("utf-8 path");
+    let cached = Server::start_model(model, None, "ngram", &[]);
+    let uncached = Server::start_model(model, None, "ngram", &["--prompt-cache-bytes", "0"]);
+    let system = "You are a helpful assistant who answers in one short paragraph. \
+                  Be precise, friendly and brief, and never repeat the question.";
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": "What is the capital of France?"}),
+    ];
+    let turn = |server: &Server, messages: &[Value]| {
+        let body = json!({"model": "tiny", "messages": messages, "max_tokens": 24,
+                          "temperature": 0});
+        let (status, answer) = server.post("/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{answer}");
+        answer
+    };
+    let first = turn(&cached, &messages);
+    let stats = &first["dspec"]["prompt_cache"];
+    assert_eq!(stats["hit"], false, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let first_read = stats["prefilled_tokens"].as_u64().expect("prefilled");
+    assert_eq!(Some(first_read), first["usage"]["prompt_tokens"].as_u64());
+    assert!(
+        stats["entries"].as_u64() == Some(1) && stats["bytes"].as_u64() > Some(0),
+        "{first}"
+    );
+
+    let reply = first["choices"][0]["message"]["content"].clone();
+    messages.push(json!({"role": "assistant", "content": reply}));
+    messages.push(json!({"role": "user", "content": "And of Italy?"}));
+    let second = turn(&cached, &messages);
+    let stats = &second["dspec"]["prompt_cache"];
+    assert_eq!(stats["hit"], true, "{second}");
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().expect("prompt");
+    let reused = stats["cached_tokens"].as_u64().expect("cached");
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(reused)
+    );
+    assert!(
+        reused >= first_read,
+        "the first turn's prompt at least came from the cache: {second}"
+    );
+    let second_read = stats["prefilled_tokens"].as_u64().expect("prefilled");
+    assert_eq!(second_read, prompt_tokens - reused);
+    assert!(
+        second_read < first_read,
+        "the second turn read {second_read} tokens, the first {first_read}"
+    );
+
+    let without = turn(&uncached, &messages);
+    assert_eq!(without["dspec"]["prompt_cache"]["hit"], false);
+    assert_eq!(
+        second["choices"][0]["message"]["content"], without["choices"][0]["message"]["content"],
+        "the cache changes what is read, never what is answered"
+    );
+}
+
+/// `logprobs` in both endpoints' shapes: one entry per generated token with its
+/// alternatives, the likeliest first; a stream carries the same entries, each chunk
+/// with its own text.
+#[test]
+fn log_probabilities_come_whole_and_streamed() {
+    let server = Server::start("ngram", &[]);
+    let body = chat_body(json!({"logprobs": true, "top_logprobs": 2}));
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs.content")
+        .clone();
+    let generated = whole["usage"]["completion_tokens"].as_u64().expect("count") as usize;
+    let eos = usize::from(whole["dspec"]["stop_reason"] == "eos");
+    assert_eq!(content.len(), generated - eos, "{whole}");
+    for entry in &content {
+        let logprob = entry["logprob"].as_f64().expect("logprob");
+        assert!(logprob <= 0.0, "{entry}");
+        let top = entry["top_logprobs"].as_array().expect("top_logprobs");
+        assert_eq!(top.len(), 2, "{entry}");
+        // Greedy: the token is the likeliest, and alternatives come in order.
+        assert!((top[0]["logprob"].as_f64().expect("top") - logprob).abs() < 1e-5);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+        let bytes: Vec<u8> = serde_json::from_value(entry["bytes"].clone()).expect("bytes");
+        assert_eq!(bytes, entry["token"].as_str().expect("token").as_bytes());
+    }
+
+    let events = stream(
+        &server,
+        "/v1/chat/completions",
+        &chat_body(json!({"logprobs": true, "top_logprobs": 2, "stream": true})),
+    );
+    let mut streamed = Vec::new();
+    let mut text = String::new();
+    for event in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(event).expect("chunk");
+        let choice = &chunk["choices"][0];
+        text.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        if let Some(entries) = choice["logprobs"]["content"].as_array() {
+            streamed.extend(entries.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content, "the stream's entries are the answer's");
+    assert_eq!(
+        text,
+        whole["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("text")
+    );
+
+    let (status, completion) = server.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "abc abc abc", "max_tokens": 6, "temperature": 0,
+                "logprobs": 3}),
+    );
+    assert_eq!(status, 200, "{completion}");
+    let logprobs = &completion["choices"][0]["logprobs"];
+    let tokens = logprobs["tokens"].as_array().expect("tokens");
+    assert!(!tokens.is_empty());
+    for field in ["token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(
+            logprobs[field].as_array().map(Vec::len),
+            Some(tokens.len()),
+            "{field}"
+        );
+    }
+    assert_eq!(logprobs["text_offset"][0], 0);
+    // Keyed by text: alternatives that read the same (pieces of one character) merge.
+    let top = logprobs["top_logprobs"][0].as_object().expect("a map");
+    assert!((1..=3).contains(&top.len()), "{completion}");
+    let best = top
+        .values()
+        .filter_map(Value::as_f64)
+        .fold(f64::MIN, f64::max);
+    let first = logprobs["token_logprobs"][0].as_f64().expect("logprob");
+    assert!(
+        (best - first).abs() < 1e-5,
+        "greedy: the likeliest: {completion}"
+    );
+    let (status, refused) = server.post(
+        "/v1/chat/completions",
+        &chat_body(json!({"top_logprobs": 2})),
+    );
+    assert_eq!(status, 400, "{refused}");
+}
+
+/// A Hermes-style chat template written for the tool tests: the tools in a system turn,
+/// assistant calls as `<tool_call>` blocks, tool results as `tool` turns.
+const HERMES_STYLE_TEMPLATE: &str = r#"{%- if tools %}
+<|im_start|>system
+You are a helpful assistant with these tools:
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+To call one, answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+<|im_start|>{{ message.role }}
+{% if message.tool_calls is defined %}
+{% for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}
+{% else %}
+{{ message.content }}
+{% endif %}
+<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"#;
+
+fn weather_tool() -> Value {
+    json!({"type": "function", "function": {"name": "get_weather",
+           "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}})
+}
+
+/// A conversation in which the assistant called `get_weather` twice, as OpenAI clients
+/// send it back (arguments as JSON text), and then a third question.
+fn weather_conversation() -> Value {
+    let asked = |city: &str, id: &str, result: &str, answer: &str| {
+        vec![
+            json!({"role": "user", "content": format!("What is the weather in {city}?")}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": id,
+                   "type": "function", "function": {"name": "get_weather",
+                   "arguments": json!({"city": city}).to_string()}}]}),
+            json!({"role": "tool", "tool_call_id": id, "content": result}),
+            json!({"role": "assistant", "content": answer}),
+        ]
+    };
+    let mut messages = asked(
+        "Tokyo",
+        "call_1",
+        "22 C, sunny",
+        "It is 22 C and sunny in Tokyo.",
+    );
+    messages.extend(asked(
+        "Rome",
+        "call_2",
+        "18 C, rain",
+        "It is 18 C and raining in Rome.",
+    ));
+    messages.push(json!({"role": "user", "content": "What is the weather in Paris?"}));
+    json!(messages)
+}
+
+/// `(name, arguments)` of the calls in a non-streamed chat answer.
+fn answered_calls(body: &Value) -> Vec<(String, Value)> {
+    body["choices"][0]["message"]["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("tool_calls in {body}"))
+        .iter()
+        .map(|call| {
+            assert_eq!(call["type"], "function", "{call}");
+            assert!(
+                call["id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with("call_")),
+                "{call}"
+            );
+            let arguments = call["function"]["arguments"]
+                .as_str()
+                .expect("arguments text");
+            (
+                call["function"]["name"].as_str().expect("name").to_string(),
+                serde_json::from_str(arguments).expect("arguments are JSON"),
+            )
+        })
+        .collect()
+}
+
+/// Reads a chat stream: (the content deltas joined, the calls from the `tool_calls`
+/// deltas, the last chunk's finish reason).
+fn streamed_calls(events: &[String]) -> (String, Vec<(String, Value)>, Value) {
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk JSON"))
+        .collect();
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for chunk in &chunks {
+        let delta = &chunk["choices"][0]["delta"];
+        content.push_str(delta["content"].as_str().unwrap_or_default());
+        for call in delta["tool_calls"].as_array().into_iter().flatten() {
+            assert_eq!(call["index"], calls.len(), "{call}");
+            assert!(
+                call["id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with("call_")),
+                "{call}"
+            );
+            assert_eq!(call["type"], "function", "{call}");
+            let arguments = call["function"]["arguments"]
+                .as_str()
+                .expect("arguments text");
+            calls.push((
+                call["function"]["name"].as_str().expect("name").to_string(),
+                serde_json::from_str(arguments).expect("arguments are JSON"),
+            ));
+        }
+    }
+    let last = chunks.last().expect("chunks");
+    (content, calls, last["choices"][0]["finish_reason"].clone())
+}
+
+/// The `openai` client's view of a tool-calling request (the request's JSON in
+/// `argv[2]`), whole and streamed: finish reasons and `[name, arguments]` of each call.
+const OPENAI_TOOLS_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
+request = json.loads(sys.argv[2])
+answer = client.chat.completions.create(**request)
+choice = answer.choices[0]
+out = {"finish": choice.finish_reason,
+       "calls": [[c.function.name, json.loads(c.function.arguments)] for c in choice.message.tool_calls or []]}
+out["streamed"] = []
+for chunk in client.chat.completions.create(stream=True, **request):
+    for call in chunk.choices[0].delta.tool_calls or []:
+        assert call.index == len(out["streamed"]) and call.id.startswith("call_")
+        out["streamed"].append([call.function.name, json.loads(call.function.arguments)])
+    if chunk.choices[0].finish_reason:
+        out["streamed_finish"] = chunk.choices[0].finish_reason
+print(json.dumps(out))
+"#;
+
+/// The real SmolLM2-135M behind a Hermes-style template written for this test (its own
+/// template knows no tools): shown two earlier calls, greedy decoding calls the tool a
+/// third time for Paris, and the call comes back parsed, whole and streamed. With
+/// `tool_choice` "none" the same output stays text.
+#[test]
+fn tool_calls_come_back_whole_and_streamed_from_a_real_model() {
+    let (_, model) = common::fetch_real_model("smollm2");
+    let dir = tempfile::tempdir().expect("temp dir");
+    for entry in std::fs::read_dir(&model).expect("model dir") {
+        let path = entry.expect("entry").path();
+        let name = path.file_name().expect("file name");
+        std::os::unix::fs::symlink(&path, dir.path().join(name)).expect("link");
+    }
+    // Read before tokenizer_config.json's template.
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        HERMES_STYLE_TEMPLATE,
+    )
+    .expect("template");
+    let path = dir.path().to_str().expect("utf-8 path").to_string();
+    let server = Server::start_model(&path, Some(dir), "ngram", &[]);
+    let body = json!({"model": "tiny", "messages": weather_conversation(),
+                      "tools": [weather_tool()], "max_tokens": 48, "temperature": 0});
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let paris = vec![("get_weather".to_string(), json!({"city": "Paris"}))];
+    assert_eq!(answered_calls(&whole), paris, "{whole}");
+    assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
+    assert!(
+        whole["choices"][0]["message"]["content"].is_null(),
+        "{whole}"
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (content, calls, finish) =
+        streamed_calls(&stream(&server, "/v1/chat/completions", &streamed));
+    assert_eq!(content, "", "the call's text is not streamed as content");
+    assert_eq!(calls, paris);
+    assert_eq!(finish, "tool_calls");
+
+    // The official client reads both shapes into its own types.
+    let got = openai_client(&server, OPENAI_TOOLS_SCRIPT, &[&body.to_string()]);
+    assert_eq!(got["finish"], "tool_calls", "{got}");
+    assert_eq!(
+        got["calls"],
+        json!([["get_weather", {"city": "Paris"}]]),
+        "{got}"
+    );
+    assert_eq!(got["streamed"], got["calls"], "{got}");
+    assert_eq!(got["streamed_finish"], "tool_calls", "{got}");
+
+    let mut none = body.clone();
+    none["tool_choice"] = json!("none");
+    let (status, text) = server.post("/v1/chat/completions", &none);
+    assert_eq!(status, 200, "{text}");
+    let content = text["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    assert!(
+        content.contains("<tool_call>") && content.contains("Paris"),
+        "{text}"
+    );
+    assert!(
+        text["choices"][0]["message"].get("tool_calls").is_none(),
+        "{text}"
+    );
+    assert_eq!(text["choices"][0]["finish_reason"], "stop");
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct through its own template, which defines tools: asked for
+/// the weather with a `get_weather` tool, greedy decoding calls it, whole and streamed.
+#[test]
+fn qwen_calls_a_tool_through_its_own_template() {
+    if !std::env::var("DSPEC_HEAVY_TESTS").is_ok_and(|v| v == "1") {
+        eprintln!("skipped: set DSPEC_HEAVY_TESTS=1 to fetch and run Qwen2.5-Coder-0.5B-Instruct (0.5 GB)");
+        return;
+    }
+    let (_, model) = common::fetch_real_model("qwen05");
+    let server = Server::start_model(model.to_str().expect("utf-8 path"), None, "ngram", &[]);
+    let body = json!({"model": "tiny", "tools": [weather_tool()], "max_tokens": 48,
+                      "temperature": 0, "messages": [
+                          {"role": "user", "content": "What is the weather like in Paris today?"}]});
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let paris = vec![("get_weather".to_string(), json!({"city": "Paris"}))];
+    assert_eq!(answered_calls(&whole), paris, "{whole}");
+    assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (content, calls, finish) =
+        streamed_calls(&stream(&server, "/v1/chat/completions", &streamed));
+    assert_eq!(content, "");
+    assert_eq!(calls, paris);
+    assert_eq!(finish, "tool_calls");
 }

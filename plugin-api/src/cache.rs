@@ -369,7 +369,9 @@ impl LayerCache {
 /// forget any number of the positions it holds, which is what the defaults of
 /// [`ExternalCache::rollback_limit`] and [`ExternalCache::rollback_window`] say. A
 /// cache with recurrent state says how far back it can go with both, and refuses a
-/// trim beyond that with [`ModelError::CannotRollBack`].
+/// trim beyond that with [`ModelError::CannotRollBack`] ([`ModelCache::trim`] refuses
+/// it before asking). A dylib plugin's cache says it across the C ABI
+/// (`plugin::abi::RollbackFunctions`).
 pub trait ExternalCache: Send {
     /// Tokens currently held.
     fn offset(&self) -> usize;
@@ -546,9 +548,18 @@ impl ModelCache {
 
     /// Forgets the last `n` positions in every layer. Beyond
     /// [`ModelCache::rollback_limit`] (or with layers that disagree) it is an error
-    /// and nothing changes.
+    /// and nothing changes; an external cache is not asked to go past the limit it
+    /// states either.
     pub fn trim(&mut self, n: usize) -> Result<()> {
         if let Some(cache) = &mut self.external {
+            let limit = cache.rollback_limit();
+            if n > limit {
+                return Err(ModelError::CannotRollBack {
+                    asked: n,
+                    held: cache.offset(),
+                    limit,
+                });
+            }
             return cache.trim(n);
         }
         let held = self.checked_offset()?;

@@ -341,6 +341,32 @@ impl DistributedArgs {
     }
 }
 
+/// `123`, `64KB`, `500MB`, `2GB` → bytes (powers of 1000).
+pub fn parse_byte_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let upper = t.to_ascii_uppercase();
+    let (digits, unit) = match ["KB", "MB", "GB"].iter().position(|u| upper.ends_with(u)) {
+        Some(i) => (&t[..t.len() - 2], 1000u64.pow(i as u32 + 1)),
+        None => (t, 1),
+    };
+    digits
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .ok_or_else(|| {
+            format!("'{s}' is not a size: write bytes or a number with KB, MB or GB, e.g. 2GB")
+        })
+}
+
+/// [`parse_byte_size`], refusing 0.
+pub fn parse_positive_byte_size(s: &str) -> std::result::Result<u64, String> {
+    match parse_byte_size(s)? {
+        0 => Err(format!("'{s}' is not a size above 0: write e.g. 2GB")),
+        n => Ok(n),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::error::ErrorKind;

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
-use super::args::QuantizeBits;
+use super::args::{parse_positive_byte_size, QuantizeBits};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum StoreDtype {
@@ -32,27 +32,8 @@ pub struct ConvertArgs {
     /// Start a new output shard once one holds this much: bytes, or with a KB, MB or GB
     /// suffix (powers of 1000). Several shards get Hugging Face's names
     /// (model-00001-of-00002.safetensors) and an index, so mlx-lm and transformers load them.
-    #[arg(long, value_name = "SIZE", default_value = "2GB", value_parser = parse_byte_size)]
+    #[arg(long, value_name = "SIZE", default_value = "2GB", value_parser = parse_positive_byte_size)]
     max_shard_size: u64,
-}
-
-/// `123`, `64KB`, `500MB`, `2GB` → bytes.
-fn parse_byte_size(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim();
-    let upper = t.to_ascii_uppercase();
-    let (digits, unit) = match ["KB", "MB", "GB"].iter().position(|u| upper.ends_with(u)) {
-        Some(i) => (&t[..t.len() - 2], 1000u64.pow(i as u32 + 1)),
-        None => (t, 1),
-    };
-    digits
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(unit))
-        .filter(|&n| n > 0)
-        .ok_or_else(|| {
-            format!("'{s}' is not a size: write bytes or a number with KB, MB or GB, e.g. 2GB")
-        })
 }
 
 pub fn run(args: ConvertArgs) -> Result<()> {

@@ -20,15 +20,9 @@ pub fn encode_prompt(
     let template = ChatTemplate::new(source, tokenizer.bos_token(), tokenizer.eos_token())?;
     let mut messages = Vec::new();
     if let Some(system) = system {
-        messages.push(ChatMessage {
-            role: "system".into(),
-            content: system.to_string(),
-        });
+        messages.push(ChatMessage::new("system", system));
     }
-    messages.push(ChatMessage {
-        role: "user".into(),
-        content: text.to_string(),
-    });
+    messages.push(ChatMessage::new("user", text));
     let mut extra = serde_json::Map::new();
     if let Some(thinking) = enable_thinking {
         extra.insert("enable_thinking".into(), thinking.into());

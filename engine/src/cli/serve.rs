@@ -7,13 +7,14 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::decoding::prompt_cache::PromptCache;
 use dspec_engine::loading::load_model;
 use dspec_engine::runtime::Backend;
 use dspec_engine::serve::worker::Engine;
 use dspec_engine::serve::{run as serve, ServerConfig};
 use dspec_engine::EngineError;
 
-use super::args::{DraftTuning, ModelArgs, PluginArgs};
+use super::args::{parse_byte_size, DraftTuning, ModelArgs, PluginArgs};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -46,6 +47,11 @@ pub struct ServeArgs {
     /// Larger request bodies are answered 413.
     #[arg(long, default_value_t = 4 << 20, value_parser = clap::value_parser!(u32).range(1024..))]
     max_body_bytes: u32,
+    /// Memory for the target's caches of earlier requests, so that a prompt sharing a
+    /// prefix with one (a chat's next turn) reads only the rest: bytes, or with a KB, MB
+    /// or GB suffix; 0 turns the prompt cache off.
+    #[arg(long, value_name = "SIZE", default_value = "2GB", value_parser = parse_byte_size)]
+    prompt_cache_bytes: u64,
 }
 
 pub fn run(args: ServeArgs, plugins: &PluginArgs) -> Result<()> {
@@ -63,6 +69,7 @@ pub fn run(args: ServeArgs, plugins: &PluginArgs) -> Result<()> {
     let registry = plugins.registry()?;
     let max_tokens = args.max_tokens as usize;
     let max_draft = args.tuning.max_draft;
+    let prompt_cache_bytes = usize::try_from(args.prompt_cache_bytes).unwrap_or(usize::MAX);
     let config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -95,6 +102,7 @@ pub fn run(args: ServeArgs, plugins: &PluginArgs) -> Result<()> {
             max_draft: max_draft.max,
             adaptive: max_draft.adaptive,
             default_max_tokens: max_tokens,
+            prompt_cache: PromptCache::new(prompt_cache_bytes),
         })
     });
     serve(config, load).context("dspec serve")

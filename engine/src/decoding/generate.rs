@@ -44,6 +44,9 @@ pub enum StopReason {
 #[derive(Debug, Clone, Serialize)]
 pub struct GenerationStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose cache came from an earlier request (a server's prompt cache):
+    /// not read again, so not counted in the prefill rate.
+    pub cached_prompt_tokens: usize,
     pub generated_tokens: usize,
     pub prefill_seconds: f64,
     pub prefill_tokens_per_second: f64,
@@ -82,6 +85,7 @@ impl GenerationStats {
     ) -> Self {
         Self {
             prompt_tokens,
+            cached_prompt_tokens: 0,
             generated_tokens,
             prefill_seconds,
             prefill_tokens_per_second: prompt_tokens as f64 / prefill_seconds.max(1e-9),
@@ -91,6 +95,15 @@ impl GenerationStats {
             stop_reason,
             decode_breakdown: None,
         }
+    }
+
+    /// Records that the first `cached` prompt tokens were not read: the prefill rate
+    /// counts only the tokens that were.
+    pub fn with_cached_prompt(mut self, cached: usize) -> Self {
+        self.cached_prompt_tokens = cached;
+        self.prefill_tokens_per_second =
+            self.prompt_tokens.saturating_sub(cached) as f64 / self.prefill_seconds.max(1e-9);
+        self
     }
 }
 

@@ -5,5 +5,7 @@ pub mod acceptance;
 pub mod draft_length;
 pub mod drafting;
 pub mod generate;
+pub mod logprobs;
+pub mod prompt_cache;
 pub mod sampling;
 pub mod speculative;

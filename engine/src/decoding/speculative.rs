@@ -29,6 +29,8 @@ use crate::decoding::generate::{
     pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
     TextSink,
 };
+use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
+use crate::decoding::prompt_cache::PromptCache;
 use crate::decoding::sampling::Sampler;
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
@@ -59,6 +61,10 @@ pub struct SpeculativeStats {
 pub struct SpeculativeOutput {
     pub text: String,
     pub tokens: Vec<u32>,
+    /// When asked for ([`ServingOptions::logprobs`]): one entry per generated token but
+    /// an ending EOS.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
     pub stats: GenerationStats,
     pub speculative: SpeculativeStats,
 }
@@ -124,6 +130,50 @@ pub struct Speculation<'a> {
     pub adaptive: bool,
     /// Receives one JSON line per round when set.
     pub trace: Option<&'a mut dyn Write>,
+}
+
+/// What a long-lived caller (a server) adds to a generation.
+#[derive(Default)]
+pub struct ServingOptions<'a> {
+    /// Asked after every committed token: true ends the generation within one round,
+    /// with [`StopReason::Cancelled`] (a server's client went away).
+    pub cancelled: Option<&'a dyn Fn() -> bool>,
+    /// Caches of earlier sequences: the prompt's longest cached prefix is not read
+    /// again, and the finished sequence's cache is stored for the next request.
+    pub prompt_cache: Option<&'a mut PromptCache>,
+    /// Report each generated token's log-probability and its position's `n` likeliest
+    /// tokens (see [`crate::decoding::logprobs`]); costs a read from the device per round.
+    pub logprobs: Option<usize>,
+    /// Receives the log-probabilities of each round's committed tokens, after the
+    /// round's text went to `on_text`.
+    pub on_logprobs: Option<&'a mut LogprobsCallback<'a>>,
+}
+
+/// Receives one round's log-probabilities.
+pub type LogprobsCallback<'a> = dyn FnMut(&[TokenLogprob]) + 'a;
+
+/// Collects log-probabilities round by round, as far as tokens are committed.
+struct LogprobSink<'l> {
+    top: usize,
+    all: Vec<TokenLogprob>,
+    on_round: Option<&'l mut LogprobsCallback<'l>>,
+}
+
+impl LogprobSink<'_> {
+    /// Keeps the entries of the tokens committed (an EOS that ended generation is no
+    /// text and gets none).
+    fn keep(&mut self, mut entries: Vec<TokenLogprob>, committed: usize, stop: Option<StopReason>) {
+        entries.truncate(committed);
+        if stop == Some(StopReason::Eos) {
+            entries.pop();
+        }
+        if let Some(on_round) = self.on_round.as_deref_mut() {
+            if !entries.is_empty() {
+                on_round(&entries);
+            }
+        }
+        self.all.extend(entries);
+    }
 }
 
 /// Commits tokens one at a time, stopping exactly where plain decoding would.
@@ -198,10 +248,12 @@ impl Tally {
 struct PlainStep {
     token: Array,
     hidden: Option<Array>,
+    /// The step's logits (`[1, vocab]`), kept when log-probabilities are reported.
+    logits: Option<Array>,
 }
 
 /// The state of a speculative generation between rounds.
-struct Rounds<'a, 't> {
+struct Rounds<'a, 't, 'l> {
     model: &'a dyn TargetModel,
     cache: ModelCache,
     taps: Vec<usize>,
@@ -213,9 +265,13 @@ struct Rounds<'a, 't> {
     tally: Tally,
     /// The newest committed token, not yet fed to the target.
     last: u32,
+    /// The target's states at the taps over every position fed, when a prompt cache
+    /// stores them for the next request's drafter.
+    kept_hidden: Option<Vec<Array>>,
+    logprobs: Option<LogprobSink<'l>>,
 }
 
-impl Rounds<'_, '_> {
+impl Rounds<'_, '_, '_> {
     /// Tokens that may still be committed (at least 1 while generation goes on).
     fn room(&self) -> usize {
         let done = self.committer.tokens.len();
@@ -277,6 +333,7 @@ impl Rounds<'_, '_> {
             Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
             None => None,
         };
+        self.keep_hidden(hidden.as_ref());
         self.drafter
             .commit(&input[..1 + accepted], hidden.as_ref())?;
         self.write_trace(RoundTrace {
@@ -291,12 +348,26 @@ impl Rounds<'_, '_> {
         self.tally.round(draft.tokens.len(), accepted);
 
         self.last = next;
+        let kept: Vec<u32> = draft.tokens[..accepted]
+            .iter()
+            .chain([&next])
+            .copied()
+            .collect();
+        let entries = match &self.logprobs {
+            Some(sink) => Some(token_logprobs(&logits, &kept, sink.top)?),
+            None => None,
+        };
         let mut stop = None;
-        for &token in draft.tokens[..accepted].iter().chain([&next]) {
+        let mut committed = 0;
+        for &token in &kept {
+            committed += 1;
             stop = self.committer.push(token)?;
             if stop.is_some() {
                 break;
             }
+        }
+        if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
+            sink.keep(entries, committed, stop);
         }
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
@@ -319,6 +390,7 @@ impl Rounds<'_, '_> {
         Ok(PlainStep {
             token,
             hidden: out.hidden,
+            logits: self.logprobs.is_some().then_some(logits),
         })
     }
 
@@ -371,7 +443,14 @@ impl Rounds<'_, '_> {
             self.tally.round(0, 0);
             hidden.extend(current.hidden.take());
             self.last = token;
+            let entries = match (&self.logprobs, &current.logits) {
+                (Some(sink), Some(logits)) => Some(token_logprobs(logits, &[token], sink.top)?),
+                _ => None,
+            };
             let stop = self.committer.push(token)?;
+            if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
+                sink.keep(entries, 1, stop);
+            }
             match (stop, queued) {
                 (Some(stop), queued) => {
                     // A step queued past the end: let it finish, so nothing is in
@@ -386,6 +465,7 @@ impl Rounds<'_, '_> {
                     // read is fed by the step now in flight.
                     if fed.len() >= COMMIT_EVERY {
                         let hidden = concat_steps(std::mem::take(&mut hidden))?;
+                        self.keep_hidden(hidden.as_ref());
                         self.drafter
                             .commit(&std::mem::take(&mut fed), hidden.as_ref())?;
                     }
@@ -396,8 +476,16 @@ impl Rounds<'_, '_> {
             }
         };
         let hidden = concat_steps(hidden)?;
+        self.keep_hidden(hidden.as_ref());
         self.drafter.commit(&fed, hidden.as_ref())?;
         Ok(outcome)
+    }
+
+    /// Keeps the states told to the drafter when a prompt cache wants them.
+    fn keep_hidden(&mut self, hidden: Option<&Array>) {
+        if let (Some(kept), Some(h)) = (self.kept_hidden.as_mut(), hidden) {
+            kept.push(h.clone());
+        }
     }
 }
 
@@ -427,27 +515,27 @@ pub fn generate_speculative(
     speculation: Speculation<'_>,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<SpeculativeOutput, EngineError> {
-    generate_speculative_cancellable(
+    generate_speculative_serving(
         model,
         tokenizer,
         prompt,
         config,
         speculation,
         on_text,
-        &|| false,
+        ServingOptions::default(),
     )
 }
 
-/// [`generate_speculative`] that ends early, with [`StopReason::Cancelled`], once
-/// `cancelled` returns true; it is asked after each committed token.
-pub fn generate_speculative_cancellable(
+/// [`generate_speculative`] with what a server adds: cancellation and a prompt cache
+/// across requests (see [`ServingOptions`]).
+pub fn generate_speculative_serving(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
     prompt: &[u32],
     config: &GenerationConfig,
     speculation: Speculation<'_>,
     on_text: &mut dyn FnMut(&str),
-    cancelled: &dyn Fn() -> bool,
+    options: ServingOptions<'_>,
 ) -> Result<SpeculativeOutput, EngineError> {
     let Speculation {
         drafter,
@@ -455,6 +543,9 @@ pub fn generate_speculative_cancellable(
         adaptive,
         trace,
     } = speculation;
+    let never = || false;
+    let cancelled: &dyn Fn() -> bool = options.cancelled.unwrap_or(&never);
+    let mut prompt_cache = options.prompt_cache;
     if max_draft == 0 {
         return Err(EngineError::Invalid(
             "--max-draft must be at least 1".into(),
@@ -476,7 +567,16 @@ pub fn generate_speculative_cancellable(
         context_left: context_limit - prompt.len(),
         cancelled,
     };
-    let mut cache = model.new_cache();
+    // A prefix read by an earlier request comes with its cache (and, for a drafter that
+    // reads the target's states, those states): only the rest of the prompt is read.
+    let reused = match prompt_cache.as_deref_mut() {
+        Some(store) => store.take(prompt, !taps.is_empty()),
+        None => None,
+    };
+    let (mut cache, cached_prompt, cached_hidden) = match reused {
+        Some(r) => (r.cache, r.reused, r.hidden),
+        None => (model.new_cache(), 0, None),
+    };
     reserve_for_generation(
         &mut cache,
         (prompt.len() + config.max_tokens).min(context_limit),
@@ -505,7 +605,12 @@ pub fn generate_speculative_cancellable(
     if taps.is_empty() {
         drafter.begin(model, prompt, None)?;
     }
-    let (logits, prompt_hidden) = prefill_with_taps(model, &mut cache, prompt, &taps)?;
+    let (logits, read_hidden) =
+        prefill_with_taps(model, &mut cache, &prompt[cached_prompt..], &taps)?;
+    let prompt_hidden = match (cached_hidden, read_hidden) {
+        (Some(cached), Some(read)) => Some(concatenate(&[cached, read], 1)?),
+        (cached, read) => read.or(cached),
+    };
     let last = token_value(&pick_next(sampler.as_mut(), &logits)?)?;
     if !taps.is_empty() {
         drafter.begin(model, prompt, prompt_hidden.as_ref())?;
@@ -513,7 +618,23 @@ pub fn generate_speculative_cancellable(
     let prefill_seconds = start.elapsed().as_secs_f64();
     let decode_start = Instant::now();
 
+    let mut logprobs = options.logprobs.map(|top| LogprobSink {
+        top,
+        all: Vec::new(),
+        on_round: options.on_logprobs,
+    });
+    let first_entries = match &logprobs {
+        Some(sink) => Some(token_logprobs(&logits, &[last], sink.top)?),
+        None => None,
+    };
     let mut stop = committer.push(last)?;
+    if let (Some(sink), Some(entries)) = (logprobs.as_mut(), first_entries) {
+        sink.keep(entries, 1, stop);
+    }
+    let kept_hidden = match (&prompt_cache, &prompt_hidden) {
+        (Some(_), Some(h)) => Some(vec![h.clone()]),
+        _ => None,
+    };
     let mut rounds = Rounds {
         model,
         cache,
@@ -525,6 +646,8 @@ pub fn generate_speculative_cancellable(
         trace,
         tally: Tally::new(max_draft),
         last,
+        kept_hidden,
+        logprobs,
     };
     let mut planned = None;
     while stop.is_none() {
@@ -537,8 +660,14 @@ pub fn generate_speculative_cancellable(
         drafter,
         mut committer,
         tally,
+        cache,
+        kept_hidden,
+        logprobs,
         ..
     } = rounds;
+    if let Some(store) = prompt_cache {
+        store_sequence(store, prompt, &committer.tokens, cache, kept_hidden)?;
+    }
     let stop_reason = stop.unwrap_or(StopReason::MaxTokens);
     committer
         .sink
@@ -550,7 +679,8 @@ pub fn generate_speculative_cancellable(
         prefill_seconds,
         decode_seconds,
         stop_reason,
-    );
+    )
+    .with_cached_prompt(cached_prompt);
     let speculative = SpeculativeStats {
         drafter: drafter.name().to_string(),
         target_forwards: tally.forwards,
@@ -564,7 +694,38 @@ pub fn generate_speculative_cancellable(
     Ok(SpeculativeOutput {
         text: committer.sink.text,
         tokens: committer.tokens,
+        logprobs: logprobs.map(|sink| sink.all),
         stats,
         speculative,
     })
+}
+
+/// Puts a finished generation's cache in the prompt cache, with the tokens it holds: the
+/// prompt and the generated tokens fed so far (the newest one is not, unless a plain
+/// step already queued it). A generation that stopped inside an accepted block (an EOS
+/// or the token limit among the drafts) fed drafts past its last token: they go.
+fn store_sequence(
+    store: &mut PromptCache,
+    prompt: &[u32],
+    generated: &[u32],
+    mut cache: ModelCache,
+    kept_hidden: Option<Vec<Array>>,
+) -> Result<(), EngineError> {
+    let held = cache.checked_offset()?;
+    let sequence = prompt.len() + generated.len();
+    if held > sequence && cache.trim(held - sequence).is_err() {
+        return Ok(());
+    }
+    let tokens: Vec<u32> = prompt.iter().chain(generated).take(held).copied().collect();
+    let hidden = match kept_hidden {
+        Some(pieces) if !pieces.is_empty() => {
+            let hidden = concatenate(&pieces, 1)?;
+            // Evaluated now, so the store holds one array, not the graph of its pieces.
+            hidden.eval()?;
+            Some(hidden)
+        }
+        _ => None,
+    };
+    store.put(tokens, cache, hidden);
+    Ok(())
 }

@@ -4,9 +4,10 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::decoding::logprobs::MAX_TOP_LOGPROBS;
 use crate::decoding::sampling::SamplingParams;
 use crate::serve::error::ApiError;
-use crate::text::chat_template::ChatMessage;
+use crate::text::chat_template::{ChatMessage, MessageFunctionCall, MessageToolCall};
 
 /// What the worker is asked to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +40,12 @@ pub struct JobRequest {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
+    /// Report each token's log-probability and this many likeliest alternatives.
+    pub logprobs: Option<usize>,
+    /// `tools` as the client wrote them (checked): the chat template's `tools`.
+    pub tools: Vec<Value>,
+    /// Whether tool calls are parsed out of the output (`tool_choice` "auto").
+    pub parse_tool_calls: bool,
 }
 
 /// `stop`: one string or a list of them.
@@ -69,6 +76,25 @@ struct RequestMessage {
     role: String,
     /// Absent or null for an assistant turn that only called tools.
     content: Option<ContentField>,
+    tool_calls: Option<Vec<RequestToolCall>>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
+}
+
+/// An assistant turn's call, as OpenAI writes it.
+#[derive(Debug, Deserialize)]
+struct RequestToolCall {
+    id: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    function: RequestFunctionCall,
+}
+
+#[derive(Debug, Deserialize)]
+struct RequestFunctionCall {
+    name: String,
+    /// OpenAI's JSON text; an object is taken too.
+    arguments: Option<Value>,
 }
 
 /// Both endpoints' bodies (`messages` for chat, `prompt` for completions), in one
@@ -91,12 +117,16 @@ struct Body {
     stop: Option<StopField>,
     n: Option<u64>,
     stream: Option<bool>,
-    /// Refused when asked for: see [`refuse_unsupported`].
+    /// Chat: a boolean, with `top_logprobs` alternatives; completions: the number of
+    /// alternatives (see [`logprobs_asked`]).
     logprobs: Option<Value>,
     top_logprobs: Option<Value>,
+    /// Checked by [`checked_tools`].
     tools: Option<Value>,
     tool_choice: Option<Value>,
+    /// Refused: see [`refuse_unsupported`].
     functions: Option<Value>,
+    function_call: Option<Value>,
     echo: Option<bool>,
     suffix: Option<Value>,
     best_of: Option<u64>,
@@ -175,9 +205,148 @@ pub fn chat_request(body: &[u8], served: &ServedModel) -> Result<JobRequest, Api
                 text
             }
         };
-        messages.push(ChatMessage::new(m.role, content));
+        let tool_calls = match m.tool_calls {
+            Some(calls) if !calls.is_empty() => Some(message_tool_calls(i, calls)?),
+            // An empty list is no calls: Llama's template would take it for some.
+            _ => None,
+        };
+        messages.push(ChatMessage {
+            tool_calls,
+            tool_call_id: m.tool_call_id,
+            name: m.name,
+            ..ChatMessage::new(m.role, content)
+        });
     }
     job(Prompt::Chat(messages), body, served, false)
+}
+
+/// `messages[i].tool_calls` as templates read them, the arguments parsed from their
+/// JSON text.
+fn message_tool_calls(
+    i: usize,
+    calls: Vec<RequestToolCall>,
+) -> Result<Vec<MessageToolCall>, ApiError> {
+    calls
+        .into_iter()
+        .enumerate()
+        .map(|(j, call)| {
+            let at = format!("messages[{i}].tool_calls[{j}]");
+            if let Some(kind) = call.kind.as_deref().filter(|k| *k != "function") {
+                return Err(ApiError::invalid(
+                    format!("{at}.type"),
+                    format!("`{at}.type` is `{kind}`; only `function` calls exist"),
+                ));
+            }
+            let arguments = match call.function.arguments {
+                None | Some(Value::Null) => Value::Object(Default::default()),
+                Some(Value::String(text)) => serde_json::from_str(&text).map_err(|e| {
+                    ApiError::invalid(
+                        format!("{at}.function.arguments"),
+                        format!("`{at}.function.arguments` is not valid JSON ({e}); send the arguments object as JSON text"),
+                    )
+                })?,
+                Some(other) => other,
+            };
+            Ok(MessageToolCall {
+                id: call.id,
+                kind: "function".into(),
+                function: MessageFunctionCall {
+                    name: call.function.name,
+                    arguments,
+                },
+            })
+        })
+        .collect()
+}
+
+/// `tools` and `tool_choice`: the checked list of tools and whether calls are parsed
+/// back. A tool needs `type` "function" and a named `function`, what both OpenAI and
+/// the templates (`tool.function.name`) rely on; the rest goes to the template as given.
+fn checked_tools(s: &Body, completions: bool) -> Result<(Vec<Value>, bool), ApiError> {
+    let list = match &s.tools {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(list)) => list.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tools",
+                "`tools` must be a list of {\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\"}}",
+            ))
+        }
+    };
+    if completions && !list.is_empty() {
+        return Err(ApiError::invalid(
+            "tools",
+            "`tools` work through the chat template: send them to /v1/chat/completions",
+        ));
+    }
+    let mut names: Vec<&str> = Vec::with_capacity(list.len());
+    for (i, tool) in list.iter().enumerate() {
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].type"),
+                format!("`tools[{i}].type` must be \"function\", the only kind of tool"),
+            ));
+        }
+        let Some(function) = tool.get("function").filter(|f| f.is_object()) else {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function"),
+                format!("`tools[{i}].function` must be an object with `name`, `description` and `parameters`"),
+            ));
+        };
+        let name = match function.get("name").and_then(Value::as_str) {
+            Some(name) if !name.is_empty() => name,
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("tools[{i}].function.name"),
+                    format!("`tools[{i}].function.name` must be a non-empty string"),
+                ))
+            }
+        };
+        if let Some(first) = names.iter().position(|n| *n == name) {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function.name"),
+                format!("`tools[{i}].function.name` `{name}` is also the name of tools[{first}]; a call could not tell them apart"),
+            ));
+        }
+        names.push(name);
+        if function
+            .get("parameters")
+            .is_some_and(|p| !p.is_null() && !p.is_object())
+        {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function.parameters"),
+                format!("`tools[{i}].function.parameters` must be a JSON Schema object"),
+            ));
+        }
+    }
+    // "none" still renders the tools and only leaves the output unparsed: vLLM's default
+    // since 0.10, and OpenAI's models too still see the tools they may not call. The
+    // prompt then does not depend on the choice. (transformers has no tool_choice; it
+    // renders whatever tools it is given.)
+    let parse = match &s.tool_choice {
+        None | Some(Value::Null) => true,
+        Some(Value::String(choice)) if choice == "auto" => true,
+        Some(Value::String(choice)) if choice == "none" => false,
+        Some(choice) => {
+            let asked = match choice {
+                Value::String(c) if c == "required" => "\"required\"".to_string(),
+                Value::Object(_) => "a named function".to_string(),
+                other => {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        format!("`tool_choice` is {other}; give \"auto\" or \"none\""),
+                    ))
+                }
+            };
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("`tool_choice` {asked} would need decoding constrained to a call, which dspec does not do; use \"auto\" (the default) and read `finish_reason`, which is \"tool_calls\" when the model called one"),
+            )
+            .with_code("unsupported_parameter"));
+        }
+    };
+    let any = !list.is_empty();
+    Ok((list, parse && any))
 }
 
 /// `POST /v1/completions`'s body.
@@ -208,28 +377,26 @@ pub fn completion_request(body: &[u8], served: &ServedModel) -> Result<JobReques
 /// Fields that ask for what dspec does not do yet: refused rather than ignored, so a
 /// client never takes a missing feature for an empty answer.
 fn refuse_unsupported(s: &Body, completions: bool) -> Result<(), ApiError> {
-    let asked = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null() && *v != false);
-    if asked(&s.logprobs) {
-        return Err(ApiError::unsupported("logprobs"));
-    }
-    if asked(&s.top_logprobs) {
-        return Err(ApiError::unsupported("top_logprobs"));
-    }
     let non_empty = |v: &Option<Value>| {
         v.as_ref()
             .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
     };
-    if non_empty(&s.tools) {
-        return Err(ApiError::unsupported("tools"));
-    }
-    if non_empty(&s.functions) {
-        return Err(ApiError::unsupported("functions"));
-    }
-    if s.tool_choice
-        .as_ref()
-        .is_some_and(|v| *v != "none" && *v != "auto" && !v.is_null())
-    {
-        return Err(ApiError::unsupported("tool_choice"));
+    // OpenAI's deprecated predecessors of `tools` and `tool_choice`.
+    for (param, value, instead) in [
+        (
+            "functions",
+            &s.functions,
+            "`tools`, each function as {\"type\": \"function\", \"function\": {...}}",
+        ),
+        ("function_call", &s.function_call, "`tool_choice`"),
+    ] {
+        if non_empty(value) {
+            return Err(ApiError::invalid(
+                param,
+                format!("`{param}` is OpenAI's deprecated form of tool calling; send {instead}"),
+            )
+            .with_code("unsupported_parameter"));
+        }
     }
     if completions {
         if s.echo == Some(true) {
@@ -246,6 +413,51 @@ fn refuse_unsupported(s: &Body, completions: bool) -> Result<(), ApiError> {
         }
     }
     Ok(())
+}
+
+/// Most alternatives per token the legacy completions API allows.
+const MAX_COMPLETION_LOGPROBS: u64 = 5;
+
+/// How many alternatives per token a request asks for, when it asks for log-probabilities
+/// at all: chat takes `logprobs: true` and `top_logprobs` (0–20), completions an integer
+/// `logprobs` (0–5), as OpenAI's API does.
+fn logprobs_asked(s: &Body, completions: bool) -> Result<Option<usize>, ApiError> {
+    let given = |v: &Option<Value>| v.as_ref().filter(|v| !v.is_null()).cloned();
+    let count = |param: &str, v: Value, most: u64| -> Result<usize, ApiError> {
+        match v.as_u64() {
+            Some(n) if n <= most => Ok(n as usize),
+            _ => Err(ApiError::invalid(
+                param,
+                format!("`{param}` must be an integer from 0 to {most}, got {v}"),
+            )),
+        }
+    };
+    if completions {
+        return given(&s.logprobs)
+            .map(|v| count("logprobs", v, MAX_COMPLETION_LOGPROBS))
+            .transpose();
+    }
+    let asked = match given(&s.logprobs) {
+        None => false,
+        Some(Value::Bool(b)) => b,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` is true or false on /v1/chat/completions, got {v}; the number of alternatives goes in `top_logprobs`"),
+            ))
+        }
+    };
+    let top = given(&s.top_logprobs)
+        .map(|v| count("top_logprobs", v, MAX_TOP_LOGPROBS as u64))
+        .transpose()?;
+    match (asked, top) {
+        (true, top) => Ok(Some(top.unwrap_or(0))),
+        (false, Some(_)) => Err(ApiError::invalid(
+            "top_logprobs",
+            "`top_logprobs` needs `logprobs: true`",
+        )),
+        (false, None) => Ok(None),
+    }
 }
 
 fn job(
@@ -274,6 +486,8 @@ fn job(
         ));
     }
     refuse_unsupported(&s, completions)?;
+    let logprobs = logprobs_asked(&s, completions)?;
+    let (tools, parse_tool_calls) = checked_tools(&s, completions)?;
     let (param, max_tokens) = match (s.max_completion_tokens, s.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
         (None, m) => ("max_tokens", m),
@@ -340,6 +554,9 @@ fn job(
         },
         stop,
         stream: s.stream.unwrap_or(false),
+        logprobs,
+        tools,
+        parse_tool_calls,
     })
 }
 
@@ -416,10 +633,11 @@ mod tests {
             &format!("{{{msgs},\"temperature\":\"hot\"}}"),
             "temperature",
         );
-        refused(&format!("{{{msgs},\"logprobs\":true}}"), "logprobs");
+        refused(&format!("{{{msgs},\"logprobs\":3}}"), "logprobs");
+        refused(&format!("{{{msgs},\"top_logprobs\":2}}"), "top_logprobs");
         refused(
-            &format!("{{{msgs},\"tools\":[{{\"type\":\"function\"}}]}}"),
-            "tools",
+            &format!("{{{msgs},\"logprobs\":true,\"top_logprobs\":21}}"),
+            "top_logprobs",
         );
         refused(r#"{"messages":[]}"#, "messages");
         refused(
@@ -438,5 +656,203 @@ mod tests {
             "{{{msgs},\"logprobs\":false,\"tools\":[],\"n\":1}}"
         ))
         .expect("valid");
+    }
+
+    #[test]
+    fn log_probabilities_are_asked_for_as_each_endpoint_spells_it() {
+        let msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let asked = |body: String| chat(&body).expect("valid").logprobs;
+        assert_eq!(asked(format!("{{{msgs}}}")), None);
+        assert_eq!(asked(format!("{{{msgs},\"logprobs\":false}}")), None);
+        assert_eq!(asked(format!("{{{msgs},\"logprobs\":true}}")), Some(0));
+        assert_eq!(
+            asked(format!("{{{msgs},\"logprobs\":true,\"top_logprobs\":20}}")),
+            Some(20)
+        );
+        let completion = |body: &str| completion_request(body.as_bytes(), &SERVED);
+        assert_eq!(
+            completion(r#"{"prompt":"a","logprobs":3}"#)
+                .expect("valid")
+                .logprobs,
+            Some(3)
+        );
+        assert_eq!(
+            completion(r#"{"prompt":"a","logprobs":null}"#)
+                .expect("valid")
+                .logprobs,
+            None
+        );
+        let err = completion(r#"{"prompt":"a","logprobs":6}"#).expect_err("over 5");
+        assert_eq!(err.param.as_deref(), Some("logprobs"));
+        let err = completion(r#"{"prompt":"a","logprobs":true}"#).expect_err("a boolean");
+        assert!(err.message.contains("0 to 5"), "{}", err.message);
+    }
+
+    const WEATHER: &str = r#"{"type": "function", "function": {"name": "get_weather",
+        "description": "Weather in a city", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#;
+
+    #[test]
+    fn tools_and_tool_turns_become_what_templates_read() {
+        let job = chat(&format!(
+            r#"{{"tools": [{WEATHER}], "messages": [
+                {{"role": "user", "content": "Weather in Paris?"}},
+                {{"role": "assistant", "content": null, "tool_calls": [{{"id": "call_7",
+                  "type": "function", "function": {{"name": "get_weather",
+                  "arguments": "{{\"city\": \"Paris\"}}"}}}}]}},
+                {{"role": "tool", "tool_call_id": "call_7", "name": "get_weather",
+                  "content": "sunny"}},
+                {{"role": "assistant", "content": "Sunny.", "tool_calls": []}}]}}"#
+        ))
+        .expect("valid");
+        // The tools reach the template as written, key order included.
+        let tool: Value = serde_json::from_str(WEATHER).unwrap();
+        assert_eq!(job.tools.len(), 1);
+        assert_eq!(
+            serde_json::to_string(&job.tools[0]).unwrap(),
+            serde_json::to_string(&tool).unwrap()
+        );
+        assert!(job.parse_tool_calls, "tool_choice defaults to auto");
+        let Prompt::Chat(messages) = &job.prompt else {
+            panic!("a chat prompt")
+        };
+        let call = MessageToolCall {
+            id: Some("call_7".into()),
+            kind: "function".into(),
+            function: MessageFunctionCall {
+                name: "get_weather".into(),
+                arguments: serde_json::json!({"city": "Paris"}),
+            },
+        };
+        assert_eq!(
+            messages[1],
+            ChatMessage {
+                tool_calls: Some(vec![call]),
+                ..ChatMessage::new("assistant", "")
+            }
+        );
+        assert_eq!(
+            messages[2],
+            ChatMessage {
+                tool_call_id: Some("call_7".into()),
+                name: Some("get_weather".into()),
+                ..ChatMessage::new("tool", "sunny")
+            }
+        );
+        assert_eq!(messages[3], ChatMessage::new("assistant", "Sunny."));
+
+        // "none" keeps the tools for the template and turns parsing off.
+        let none = chat(&format!(
+            r#"{{"tools": [{WEATHER}], "tool_choice": "none", "messages": [{{"role": "user", "content": "hi"}}]}}"#
+        ))
+        .expect("valid");
+        assert_eq!(none.tools.len(), 1);
+        assert!(!none.parse_tool_calls);
+        let auto =
+            chat(r#"{"tool_choice": "auto", "messages": [{"role": "user", "content": "hi"}]}"#)
+                .expect("valid");
+        assert!(auto.tools.is_empty() && !auto.parse_tool_calls);
+    }
+
+    #[test]
+    fn bad_tools_and_tool_choices_are_named() {
+        let with = |extra: &str| {
+            format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}], {extra}}}"#)
+        };
+        refused(&with(r#""tools": {"type": "function"}"#), "tools");
+        refused(
+            &with(r#""tools": [{"function": {"name": "f"}}]"#),
+            "tools[0].type",
+        );
+        refused(
+            &with(&format!(r#""tools": [{WEATHER}, {{"type": "retrieval"}}]"#)),
+            "tools[1].type",
+        );
+        refused(
+            &with(r#""tools": [{"type": "function"}]"#),
+            "tools[0].function",
+        );
+        refused(
+            &with(&format!(
+                r#""tools": [{WEATHER}, {{"type": "function", "function": {{"name": "g"}}}},
+                    {{"type": "function", "function": {{"name": ""}}}}]"#
+            )),
+            "tools[2].function.name",
+        );
+        refused(
+            &with(&format!(r#""tools": [{WEATHER}, {WEATHER}]"#)),
+            "tools[1].function.name",
+        );
+        refused(
+            &with(
+                r#""tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]"#,
+            ),
+            "tools[0].function.parameters",
+        );
+        for choice in [
+            r#""required""#,
+            r#"{"type": "function", "function": {"name": "get_weather"}}"#,
+        ] {
+            let err = refused(
+                &with(&format!(r#""tools": [{WEATHER}], "tool_choice": {choice}"#)),
+                "tool_choice",
+            );
+            assert!(err.message.contains("constrained"), "{}", err.message);
+        }
+        refused(&with(r#""tool_choice": "sometimes""#), "tool_choice");
+        let err = refused(&with(r#""functions": [{"name": "f"}]"#), "functions");
+        assert!(err.message.contains("`tools`"), "{}", err.message);
+        refused(&with(r#""function_call": "auto""#), "function_call");
+        // Tools need the chat template.
+        let err = completion_request(
+            format!(r#"{{"prompt": "hi", "tools": [{WEATHER}]}}"#).as_bytes(),
+            &SERVED,
+        )
+        .expect_err("tools on completions");
+        assert_eq!(err.param.as_deref(), Some("tools"));
+    }
+
+    #[test]
+    fn bad_tool_calls_in_messages_are_named() {
+        let with_call = |call: &str| {
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "hi"}},
+                    {{"role": "assistant", "tool_calls": [{{"id": "a", "type": "function",
+                      "function": {{"name": "f", "arguments": "{{}}"}}}}, {call}]}}]}}"#
+            )
+        };
+        let err = refused(
+            &with_call(
+                r#"{"type": "function", "function": {"name": "f", "arguments": "{\"city\": "}}"#,
+            ),
+            "messages[1].tool_calls[1].function.arguments",
+        );
+        assert!(err.message.contains("not valid JSON"), "{}", err.message);
+        refused(
+            &with_call(r#"{"type": "code", "function": {"name": "f"}}"#),
+            "messages[1].tool_calls[1].type",
+        );
+        refused(
+            &with_call(r#"{"type": "function", "function": {"arguments": "{}"}}"#),
+            "messages[1].tool_calls[1].function",
+        );
+        // Arguments given as an object, or not at all, are taken as they are.
+        let job = chat(&with_call(
+            r#"{"function": {"name": "g", "arguments": {"x": [1]}}}, {"function": {"name": "h"}}"#,
+        ))
+        .expect("valid");
+        let Prompt::Chat(messages) = job.prompt else {
+            panic!("a chat prompt")
+        };
+        let calls = messages[1].tool_calls.clone().expect("calls");
+        let arguments: Vec<Value> = calls.into_iter().map(|c| c.function.arguments).collect();
+        assert_eq!(
+            arguments,
+            [
+                serde_json::json!({}),
+                serde_json::json!({"x": [1]}),
+                serde_json::json!({})
+            ]
+        );
     }
 }

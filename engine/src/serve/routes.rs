@@ -1,6 +1,7 @@
 //! The HTTP side: routes, request logging, and turning a job's events into a JSON
 //! answer or a Server-Sent Events stream. Nothing here touches MLX.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
@@ -16,7 +17,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::serve::error::ApiError;
@@ -240,6 +241,7 @@ async fn handle(
         Err(e) => return e.into_response(),
     };
     let stream = request.stream;
+    let with_logprobs = request.logprobs.is_some();
     let (events_tx, mut events) = unbounded_channel();
     let mut cancellation = Cancellation {
         flag: Arc::new(AtomicBool::new(false)),
@@ -293,12 +295,13 @@ async fn handle(
         model: state.model_id.clone(),
     };
     if stream {
-        return streamed(envelope, events, cancellation);
+        return streamed(envelope, events, cancellation, with_logprobs);
     }
     loop {
         match events.recv().await {
             Some(Event::Text(_)) => cancellation.pieces += 1,
-            Some(Event::Started) => {}
+            // The answer's log-probabilities come whole with `Done`.
+            Some(Event::Started | Event::Logprobs(_)) => {}
             Some(Event::Done(done)) => {
                 cancellation.done = true;
                 let mut response = Json(envelope.complete(&done)).into_response();
@@ -340,6 +343,15 @@ struct StreamState {
     events: UnboundedReceiver<Event>,
     phase: Phase,
     cancellation: Cancellation,
+    /// With log-probabilities, text waits for its round's (which follow it): each chunk
+    /// then carries its text and its tokens' log-probabilities together.
+    with_logprobs: bool,
+    pending_text: String,
+    /// Characters sent before the pending text (completions' `text_offset`).
+    sent_chars: usize,
+    /// The closing chunks still to send (text still pending, tool calls, then the last
+    /// chunk).
+    closing: VecDeque<serde_json::Value>,
 }
 
 fn sse(value: &serde_json::Value) -> Result<SseEvent, Infallible> {
@@ -354,32 +366,62 @@ impl StreamState {
                 Phase::Opening => {
                     self.phase = Phase::Text;
                     if self.envelope.endpoint == Endpoint::Chat {
-                        return Some(sse(&self.envelope.chunk(None)));
+                        return Some(sse(&self.envelope.chunk(None, Value::Null)));
                     }
                 }
                 Phase::Text => {
                     let event = self.events.recv().await;
-                    let (status, body, tokens) = match event {
+                    let (status, tokens) = match event {
                         Some(Event::Started) => continue,
+                        Some(Event::Text(t)) if self.with_logprobs => {
+                            self.pending_text.push_str(&t);
+                            continue;
+                        }
                         Some(Event::Text(t)) => {
                             self.cancellation.pieces += 1;
-                            return Some(sse(&self.envelope.chunk(Some(&t))));
+                            return Some(sse(&self.envelope.chunk(Some(&t), Value::Null)));
                         }
-                        Some(Event::Done(done)) => (
-                            200,
-                            self.envelope.last_chunk(&done),
-                            Some(done.stats.generated_tokens),
-                        ),
+                        Some(Event::Logprobs(choices)) => {
+                            let logprobs = self.envelope.logprobs(Some(&choices), self.sent_chars);
+                            let text = std::mem::take(&mut self.pending_text);
+                            self.sent_chars += choices
+                                .iter()
+                                .map(|c| c.token.text.chars().count())
+                                .sum::<usize>();
+                            self.cancellation.pieces += 1;
+                            return Some(sse(&self.envelope.chunk(Some(&text), logprobs)));
+                        }
+                        Some(Event::Done(done)) => {
+                            // Text still waiting (the end of a stop string's or a tool
+                            // call marker's hold-back) goes out before the end.
+                            if !self.pending_text.is_empty() {
+                                let text = std::mem::take(&mut self.pending_text);
+                                let none = self.envelope.logprobs(Some(&[]), self.sent_chars);
+                                self.closing
+                                    .push_back(self.envelope.chunk(Some(&text), none));
+                            }
+                            self.closing.extend(self.envelope.tool_call_chunks(&done));
+                            self.closing.push_back(self.envelope.last_chunk(&done));
+                            (200, Some(done.stats.generated_tokens))
+                        }
                         // Headers are out: a failure now can only be told in the stream.
-                        Some(Event::Failed(e)) => (e.status.as_u16(), e.body(), None),
-                        None => (500, worker_gone().body(), None),
+                        Some(Event::Failed(e)) => {
+                            self.closing.push_back(e.body());
+                            (e.status.as_u16(), None)
+                        }
+                        None => {
+                            self.closing.push_back(worker_gone().body());
+                            (500, None)
+                        }
                     };
                     self.phase = Phase::Closing;
                     self.cancellation.done = true;
                     self.cancellation.log.write(status, tokens, " streamed");
-                    return Some(sse(&body));
                 }
                 Phase::Closing => {
+                    if let Some(chunk) = self.closing.pop_front() {
+                        return Some(sse(&chunk));
+                    }
                     self.phase = Phase::Ended;
                     return Some(Ok(SseEvent::default().data("[DONE]")));
                 }
@@ -393,12 +435,17 @@ fn streamed(
     envelope: Envelope,
     events: UnboundedReceiver<Event>,
     cancellation: Cancellation,
+    with_logprobs: bool,
 ) -> Response {
     let state = StreamState {
         envelope,
         events,
         phase: Phase::Opening,
         cancellation,
+        with_logprobs,
+        pending_text: String::new(),
+        sent_chars: 0,
+        closing: VecDeque::new(),
     };
     let stream = futures_util::stream::unfold(state, |mut state| async move {
         state.next().await.map(|event| (event, state))

@@ -12,14 +12,17 @@ use tokio::sync::mpsc::UnboundedSender;
 use dspec_plugin_api::Drafter;
 
 use crate::decoding::generate::{GenerationConfig, GenerationStats, StopReason};
+use crate::decoding::logprobs::TokenLogprob;
+use crate::decoding::prompt_cache::{PromptCache, PromptCacheUsage};
 use crate::decoding::speculative::{
-    generate_speculative_cancellable, Speculation, SpeculativeStats,
+    generate_speculative_serving, ServingOptions, Speculation, SpeculativeStats,
 };
 use crate::error::EngineError;
 use crate::loading::LoadedModel;
 use crate::serve::error::ApiError;
 use crate::serve::request::{JobRequest, Prompt};
-use crate::text::chat_template::ChatTemplate;
+use crate::text::chat_template::{ChatMessage, ChatTemplate};
+use crate::text::tool_calls::{ToolCall, ToolCallStream};
 
 /// A loaded target and its drafter, as the loader hands them to the worker.
 pub struct Engine {
@@ -30,6 +33,8 @@ pub struct Engine {
     pub adaptive: bool,
     /// `max_tokens` of requests that give none (`--max-tokens`).
     pub default_max_tokens: usize,
+    /// The target's caches of earlier requests (`--prompt-cache-bytes`).
+    pub prompt_cache: PromptCache,
 }
 
 /// Builds the [`Engine`] on the worker thread, where its arrays must live.
@@ -50,21 +55,46 @@ pub struct Job {
     pub cancel: Arc<AtomicBool>,
 }
 
-/// How a job goes, in order: `Started` or `Failed` first, then `Text`s and `Done`.
+/// How a job goes, in order: `Started` or `Failed` first, then `Text`s and `Done`; a
+/// job that asked for log-probabilities gets them after each round's `Text`s.
 #[derive(Debug)]
 pub enum Event {
     Started,
     Text(String),
+    Logprobs(Vec<TokenChoice>),
     Done(Box<Finished>),
     Failed(ApiError),
+}
+
+/// A generated token's log-probability with its text, and its position's likeliest
+/// tokens (most likely first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenChoice {
+    pub token: Candidate,
+    pub top: Vec<Candidate>,
+}
+
+/// A token as a client reads it: its text (decoded alone; a piece of a multi-byte
+/// character reads as U+FFFD) and its log-probability.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub text: String,
+    pub logprob: f32,
 }
 
 /// A finished generation's text and numbers.
 #[derive(Debug)]
 pub struct Finished {
+    /// The text, less the tool calls parsed out of it.
     pub text: String,
+    /// The calls, when the request offered tools and the template's format is known.
+    pub tool_calls: Vec<ToolCall>,
     pub stats: GenerationStats,
     pub speculative: SpeculativeStats,
+    /// The prompt cache after this request was stored in it.
+    pub prompt_cache: PromptCacheUsage,
+    /// When asked for: one entry per generated token but an ending EOS.
+    pub logprobs: Option<Vec<TokenChoice>>,
 }
 
 /// Starts the worker, which loads with `load` and then serves `jobs` until every
@@ -128,6 +158,7 @@ fn encode(
     engine: &Engine,
     template: &Result<ChatTemplate, String>,
     prompt: &Prompt,
+    tools: &[serde_json::Value],
 ) -> Result<Vec<u32>, ApiError> {
     let tokenizer = &engine.loaded.tokenizer;
     let ids = match prompt {
@@ -138,9 +169,7 @@ fn encode(
             let template = template
                 .as_ref()
                 .map_err(|e| ApiError::invalid("messages", e.clone()))?;
-            let rendered = template
-                .render(messages, true, &serde_json::Map::new())
-                .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            let rendered = render_chat(template, messages, tools)?;
             tokenizer
                 .encode_prompt(&rendered, true)
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?
@@ -154,6 +183,28 @@ fn encode(
         ));
     }
     Ok(ids)
+}
+
+/// A conversation through the chat template, with the request's tools as its `tools`.
+fn render_chat(
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+    tools: &[serde_json::Value],
+) -> Result<String, ApiError> {
+    let mut extra = serde_json::Map::new();
+    if !tools.is_empty() {
+        // Dropping them would answer as if the model had seen them and chose no call.
+        if !template.supports_tools() {
+            return Err(ApiError::invalid(
+                "tools",
+                "the model's chat template does not support tools (it never reads `tools`); send the request without them",
+            ));
+        }
+        extra.insert("tools".into(), tools.to_vec().into());
+    }
+    template
+        .render(messages, true, &extra)
+        .map_err(|e| ApiError::invalid("messages", e.to_string()))
 }
 
 /// How many tokens a job may generate: what it asked for, else the server's default
@@ -187,7 +238,7 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
         events,
         cancel,
     } = job;
-    let prepared = encode(engine, template, &request.prompt).and_then(|ids| {
+    let prepared = encode(engine, template, &request.prompt, &request.tools).and_then(|ids| {
         let max = max_tokens(engine, &request, ids.len())?;
         Ok((ids, max))
     });
@@ -207,13 +258,41 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
         stop_strings: request.stop,
         eos_ids: engine.loaded.tokenizer.eos_token_ids().to_vec(),
     };
+    // Parsing runs here, where the text is; the HTTP side only shapes the calls as JSON.
+    let mut call_parser = template
+        .as_ref()
+        .ok()
+        .and_then(ChatTemplate::tool_call_format)
+        .filter(|_| request.parse_tool_calls)
+        .map(ToolCallStream::new);
     let mut on_text = |piece: &str| {
+        let piece = match call_parser.as_mut() {
+            Some(parser) => parser.push(piece),
+            None => piece.to_string(),
+        };
         // The receiver is gone once the client is: stop generating for nobody.
-        if events.send(Event::Text(piece.to_string())).is_err() {
+        if !piece.is_empty() && events.send(Event::Text(piece)).is_err() {
             cancel.store(true, Ordering::Relaxed);
         }
     };
-    let outcome = generate_speculative_cancellable(
+    let tokenizer = &engine.loaded.tokenizer;
+    let choices = |entries: &[TokenLogprob]| -> Vec<TokenChoice> {
+        let candidate = |id: u32, logprob: f32| Candidate {
+            text: tokenizer.decode(&[id], false).unwrap_or_default(),
+            logprob,
+        };
+        entries
+            .iter()
+            .map(|e| TokenChoice {
+                token: candidate(e.token, e.logprob),
+                top: e.top.iter().map(|&(id, lp)| candidate(id, lp)).collect(),
+            })
+            .collect()
+    };
+    let mut on_logprobs = |entries: &[TokenLogprob]| {
+        let _ = events.send(Event::Logprobs(choices(entries)));
+    };
+    let outcome = generate_speculative_serving(
         engine.loaded.model.as_ref(),
         &engine.loaded.tokenizer,
         &prompt,
@@ -225,7 +304,12 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             trace: None,
         },
         &mut on_text,
-        &|| cancel.load(Ordering::Relaxed),
+        ServingOptions {
+            cancelled: Some(&|| cancel.load(Ordering::Relaxed)),
+            prompt_cache: Some(&mut engine.prompt_cache),
+            logprobs: request.logprobs,
+            on_logprobs: Some(&mut on_logprobs),
+        },
     );
     let event = match outcome {
         Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
@@ -235,11 +319,28 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             );
             return;
         }
-        Ok(out) => Event::Done(Box::new(Finished {
-            text: out.text,
-            stats: out.stats,
-            speculative: out.speculative,
-        })),
+        Ok(out) => {
+            let (text, tool_calls) = match call_parser {
+                Some(parser) => {
+                    // Held back text that is content after all (a marker's start that began
+                    // no call, text after the calls) goes out before the end.
+                    let (rest, parsed) = parser.finish(&out.text);
+                    if !rest.is_empty() {
+                        let _ = events.send(Event::Text(rest));
+                    }
+                    (parsed.content, parsed.calls)
+                }
+                None => (out.text, Vec::new()),
+            };
+            Event::Done(Box::new(Finished {
+                text,
+                tool_calls,
+                stats: out.stats,
+                speculative: out.speculative,
+                prompt_cache: engine.prompt_cache.usage(),
+                logprobs: out.logprobs.as_deref().map(choices),
+            }))
+        }
         Err(e) => Event::Failed(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("generation failed: {e}"),
@@ -253,5 +354,42 @@ pub fn finish_reason(stop: StopReason) -> &'static str {
     match stop {
         StopReason::Eos | StopReason::StopString | StopReason::Cancelled => "stop",
         StopReason::MaxTokens | StopReason::ContextLength => "length",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn weather() -> Vec<serde_json::Value> {
+        vec![json!({"type": "function", "function": {"name": "get_weather"}})]
+    }
+
+    #[test]
+    fn tools_reach_a_template_that_reads_them_and_are_refused_by_one_that_does_not() {
+        let messages = [ChatMessage::new("user", "Weather?")];
+        let with_tools = ChatTemplate::new(
+            "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            render_chat(&with_tools, &messages, &weather()).unwrap(),
+            "[get_weather]Weather?"
+        );
+        let without = ChatTemplate::new("{{ messages[0].content }}", None, None).unwrap();
+        let err = render_chat(&without, &messages, &weather()).unwrap_err();
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        assert_eq!(err.param.as_deref(), Some("tools"));
+        assert!(
+            err.message
+                .contains("the model's chat template does not support tools"),
+            "{}",
+            err.message
+        );
+        // No tools: no question asked of the template.
+        assert_eq!(render_chat(&without, &messages, &[]).unwrap(), "Weather?");
     }
 }

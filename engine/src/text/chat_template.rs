@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::ser::Formatter;
 use thiserror::Error;
 
+use crate::text::tool_calls::ToolCallFormat;
+
 #[derive(Debug, Error)]
 pub enum ChatTemplateError {
     #[error("the chat template does not compile: {message}")]
@@ -24,10 +26,22 @@ pub enum ChatTemplateError {
     Render { message: String },
 }
 
+/// One turn of a conversation, in the shape Hugging Face templates read. The tool
+/// fields are left out of the template's view when absent, because templates test
+/// `message.tool_calls is defined` or `'tool_calls' in message`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// A `tool` turn: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` turn: the function that answered (some templates print it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -35,8 +49,30 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
+}
+
+/// A call in an assistant turn: `{"type": "function", "function": {"name", "arguments"}}`
+/// with the arguments as a JSON value, not OpenAI's string, because templates write them
+/// with `tool_call.arguments | tojson`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MessageToolCall {
+    /// Mistral's template checks it; the others ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: MessageFunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MessageFunctionCall {
+    pub name: String,
+    pub arguments: serde_json::Value,
 }
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -44,6 +80,8 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// A chat template compiled once, rendered per request.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// How the template teaches the model to call tools, when it names a known format.
+    tool_call_format: Option<ToolCallFormat>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -84,7 +122,23 @@ impl ChatTemplate {
         }
         env.add_template_owned(TEMPLATE_NAME, neutralize_generation_tags(source))
             .map_err(compile_error)?;
-        Ok(Self { env })
+        Ok(Self {
+            env,
+            tool_call_format: ToolCallFormat::detect(source),
+        })
+    }
+
+    /// Whether the template reads the `tools` variable at all; one that does not would
+    /// drop a request's tools without a word.
+    pub fn supports_tools(&self) -> bool {
+        self.env
+            .get_template(TEMPLATE_NAME)
+            .is_ok_and(|t| t.undeclared_variables(false).contains("tools"))
+    }
+
+    /// The format in which the template asks for tool calls (see [`ToolCallFormat`]).
+    pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
+        self.tool_call_format
     }
 
     /// Renders a conversation. `extra` are further template variables (`tools`,
@@ -1036,6 +1090,100 @@ mod tests {
         );
         assert_eq!(format_time("%", &leap_day), "%");
         assert_eq!(format_time("no directives", &leap_day), "no directives");
+    }
+
+    /// A Hermes-style template written for these tests: tool schemas in the system turn,
+    /// assistant calls in `<tool_call>` blocks, tool results in a `tool` turn.
+    const HERMES_STYLE: &str = r#"{%- if tools %}
+<|im_start|>system
+Tools:
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+Call one inside <tool_call></tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+<|im_start|>{{ message.role }}
+{% if message.tool_calls is defined %}
+{% for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}
+{% elif message.role == 'tool' %}
+[{{ message.tool_call_id }} {{ message.name }}] {{ message.content }}
+{% else %}
+{{ message.content }}
+{% endif %}
+<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"#;
+
+    #[test]
+    fn tools_and_tool_turns_reach_a_hermes_style_template() {
+        let template = ChatTemplate::new(HERMES_STYLE, None, None).unwrap();
+        assert!(template.supports_tools());
+        assert_eq!(template.tool_call_format(), Some(ToolCallFormat::Hermes));
+        let call = MessageToolCall {
+            id: Some("call_1".into()),
+            kind: "function".into(),
+            function: MessageFunctionCall {
+                name: "get_weather".into(),
+                arguments: json!({"city": "Paris", "days": 2}),
+            },
+        };
+        let conversation = vec![
+            ChatMessage::new("user", "Weather in Paris?"),
+            ChatMessage {
+                tool_calls: Some(vec![call]),
+                ..ChatMessage::new("assistant", "")
+            },
+            ChatMessage {
+                tool_call_id: Some("call_1".into()),
+                name: Some("get_weather".into()),
+                ..ChatMessage::new("tool", "{\"sky\": \"clear\"}")
+            },
+        ];
+        let tools = extra(json!({"tools": [{"type": "function", "function": {
+            "name": "get_weather", "parameters": {"type": "object"}}}]}));
+        let rendered = template.render(&conversation, true, &tools).unwrap();
+        assert_eq!(
+            rendered,
+            concat!(
+                "<|im_start|>system\nTools:\n",
+                r#"{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}"#,
+                "\nCall one inside <tool_call></tool_call>.<|im_end|>\n",
+                "<|im_start|>user\nWeather in Paris?\n<|im_end|>\n",
+                "<|im_start|>assistant\n<tool_call>\n",
+                r#"{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}"#,
+                "\n</tool_call>\n<|im_end|>\n",
+                "<|im_start|>tool\n[call_1 get_weather] {\"sky\": \"clear\"}\n<|im_end|>\n",
+                "<|im_start|>assistant\n"
+            )
+        );
+        // Without tools and tool fields, none of it shows: they are undefined, not empty.
+        let plain = template
+            .render(&messages(&[("user", "Hi")]), false, &no_extra())
+            .unwrap();
+        assert_eq!(plain, "<|im_start|>user\nHi\n<|im_end|>\n");
+    }
+
+    #[test]
+    fn templates_that_never_read_tools_are_told_apart() {
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let template = ChatTemplate::new(chatml, None, None).unwrap();
+        assert!(!template.supports_tools());
+        assert_eq!(template.tool_call_format(), None);
+        // Reading `tools` anywhere counts, even in a test or a loop inside a block.
+        for source in [
+            "{% if tools is defined %}x{% endif %}",
+            "{% for m in messages %}{% for t in tools %}{{ t }}{% endfor %}{% endfor %}",
+        ] {
+            let template = ChatTemplate::new(source, None, None).unwrap();
+            assert!(template.supports_tools(), "{source}");
+        }
     }
 
     #[test]

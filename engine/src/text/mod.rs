@@ -1,7 +1,8 @@
-//! Text in and out of a model: the tokenizer and chat template that turn a prompt into
-//! token ids, and the streaming detokenizer and stop strings that turn ids back into text.
+//! Text in and out of a model: tokenizer and chat template turn a prompt into token ids;
+//! the streaming detokenizer, stop strings and tool-call parser turn ids back into text.
 
 pub mod chat_template;
 pub mod detokenize;
 pub mod stop;
 pub mod tokenizer;
+pub mod tool_calls;

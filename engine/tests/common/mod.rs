@@ -3,6 +3,8 @@
 //! binary includes this with `mod common;` and uses what it needs.
 #![allow(dead_code)]
 
+pub mod lossless;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -14,8 +16,10 @@ use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{
     detect_drafter_kind, Drafter, DrafterLoadRequest, DrafterOptions, LoadOptions, ModelError,
-    TargetModel,
+    Picked, TargetModel, TokenPicker,
 };
+use mlx_rs::ops::indexing::argmax_axis;
+use mlx_rs::{Array, Dtype};
 
 /// Loads a model directory through the built-in registry, as `--target` does.
 pub fn load_dir(dir: &Path) -> LoadedModel {
@@ -167,4 +171,87 @@ fn succeeded(command: &mut Command, what: &str) -> std::process::Output {
         String::from_utf8_lossy(&out.stderr)
     );
     out
+}
+
+/// Argmax on the host, like the engine's greedy picker, remembering the logits.
+#[derive(Default)]
+pub struct Argmax {
+    pub logits: Vec<Array>,
+}
+
+impl TokenPicker for Argmax {
+    fn is_greedy(&self) -> bool {
+        true
+    }
+    fn pick(&mut self, logits: &Array) -> ModelResult<Picked> {
+        self.logits.push(logits.as_dtype(Dtype::Float32)?);
+        let ids = argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?;
+        ids.eval()?;
+        Ok(Picked {
+            tokens: ids.as_slice::<u32>().to_vec(),
+            probs: None,
+        })
+    }
+}
+
+pub fn max_abs_diff(a: &Array, b: &Array) -> f32 {
+    assert_eq!(a.shape(), b.shape());
+    mlx_rs::ops::max(mlx_rs::ops::abs(a.subtract(b).unwrap()).unwrap(), None)
+        .unwrap()
+        .try_item_cast::<f32>()
+        .unwrap()
+}
+
+/// Rewrites model.safetensors in `dir`: each tensor `edit` returns a replacement for
+/// (given its name and value) is replaced, the others kept.
+pub fn edit_checkpoint(dir: &Path, edit: impl Fn(&str, &Array) -> Option<Array>) {
+    let file = dir.join("model.safetensors");
+    let tensors = Array::load_safetensors(&file).expect("read model.safetensors");
+    let edited: Vec<(String, Array)> = tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let t = edit(&name, &t).unwrap_or(t);
+            (name, t)
+        })
+        .collect();
+    // MLX reads lazily: materialise everything before the file is overwritten.
+    mlx_rs::transforms::eval(edited.iter().map(|(_, a)| a)).expect("evaluate tensors");
+    Array::save_safetensors(edited.iter().map(|(n, a)| (n.as_str(), a)), None, &file)
+        .expect("write model.safetensors");
+}
+
+/// Makes the DFlash checkpoint in `dir` draft one distribution over and over: its layers
+/// add nothing (zero `o_proj` and `down_proj`) and its final norm is neutral, so every
+/// draft is the target's head applied to the mask token's embedding, normed — with
+/// tied embeddings, usually the mask token itself.
+pub fn make_dflash_repeat(dir: &Path) {
+    edit_checkpoint(dir, |name, t| {
+        if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+            Some(mlx_rs::ops::zeros_like(t).expect("zeros"))
+        } else if name == "norm.weight" {
+            Some(mlx_rs::ops::ones_like(t).expect("ones"))
+        } else {
+            None
+        }
+    });
+}
+
+/// Rewrites the Markov head of a tiny DSpark checkpoint (`TINY_DSPARK_QWEN3`'s rank 32
+/// over the 259-token vocabulary) so that after token `a` it proposes `b`, by a margin
+/// no base logit reaches, for each pair `(a, b)` (the first 32).
+pub fn teach_markov_head(dir: &Path, pairs: &[(u32, u32)]) {
+    const VOCAB: usize = 259;
+    const RANK: usize = 32;
+    let mut w1 = vec![0f32; VOCAB * RANK];
+    let mut w2 = vec![0f32; VOCAB * RANK];
+    for (j, &(a, b)) in pairs.iter().take(RANK).enumerate() {
+        w1[a as usize * RANK + j] = 1.0;
+        w2[b as usize * RANK + j] = 100.0;
+    }
+    let shape = [VOCAB as i32, RANK as i32];
+    edit_checkpoint(dir, |name, _| match name {
+        "markov_head.markov_w1.weight" => Some(Array::from_slice(&w1, &shape)),
+        "markov_head.markov_w2.weight" => Some(Array::from_slice(&w2, &shape)),
+        _ => None,
+    });
 }

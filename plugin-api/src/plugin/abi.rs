@@ -10,6 +10,14 @@
 //! version. The descriptor starts with its size and the version, in that order, in
 //! every ABI version ever, so any host can read them and refuse a plugin cleanly.
 //!
+//! Within a version the descriptor grows only at its end, by optional entries (NULL
+//! means what the version meant without them). `struct_size` says which ones a plugin
+//! was built with: the host reads only what it covers and treats the rest as NULL, and
+//! ignores entries past its own layout (a plugin built against a newer
+//! dspec-plugin-api of the same version). So plugins built before an entry existed keep
+//! loading, and so do newer plugins in older hosts. The first layout of v1 ends with
+//! `functions` ([`V1_DESCRIPTOR_SIZE`]); [`RollbackFunctions`] came after it.
+//!
 //! # Calls
 //!
 //! Every function except the `free_*` ones returns a [`Status`]. On anything but
@@ -91,6 +99,24 @@ pub struct PluginDescriptor {
     pub architectures: *const *const c_char,
     pub architectures_len: usize,
     pub functions: PluginFunctions,
+    /// Optional, after v1's first layout: how far back a cache can roll.
+    pub rollback: RollbackFunctions,
+}
+
+/// `struct_size` of v1's first layout (everything up to `functions`): the least a v1
+/// descriptor may be.
+pub const V1_DESCRIPTOR_SIZE: usize = std::mem::offset_of!(PluginDescriptor, rollback);
+
+/// A cache's rollback contract, for plugins whose caches cannot forget every position
+/// they hold (recurrent state keeps a bounded window of past states). Both entries are
+/// optional. Without `rollback_limit` the host takes a cache to be able to forget
+/// everything it holds, and learns otherwise only from a failing `cache_trim`; without
+/// `set_rollback_window` it never says how far it will roll back.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct RollbackFunctions {
+    pub rollback_limit: Option<CacheRollbackLimitFn>,
+    pub set_rollback_window: Option<CacheSetRollbackWindowFn>,
 }
 
 /// How the user asked the weights to be loaded (`LoadOptions` in C).
@@ -151,13 +177,13 @@ pub type FreeCacheFn = unsafe extern "C" fn(cache: CacheHandle);
 pub type CacheOffsetFn =
     unsafe extern "C" fn(cache: CacheHandle, out: *mut usize, error: ErrorOut) -> Status;
 /// Forgets the last `n` positions; `*out_trimmed` = how many were dropped. The host
-/// asks for no more than the cache holds and counts anything but `n` dropped as a
-/// failure. A cache that cannot go back `n` positions (recurrent state keeps only a
-/// window of past states) fails the call with `STATUS_ERROR` and a message saying how
-/// far it can go, and drops nothing. This ABI has no call asking how far back a cache
-/// can go: the host learns it from that failure, which ends the generation with the
-/// plugin's message (the shims of `export_plugin!` do all this through
-/// `ModelCache::trim`).
+/// asks for no more than the cache holds, nor more than [`CacheRollbackLimitFn`]
+/// allows when the plugin has it, and counts anything but `n` dropped as a failure. A
+/// cache that cannot go back `n` positions (recurrent state keeps only a window of past
+/// states) fails the call with `STATUS_ERROR` and a message saying how far it can go,
+/// and drops nothing. A plugin without [`RollbackFunctions`] can say so only through
+/// that failure, which ends the generation with the plugin's message (the shims of
+/// `export_plugin!` do all this through `ModelCache::trim`).
 pub type CacheTrimFn = unsafe extern "C" fn(
     cache: CacheHandle,
     n: usize,
@@ -185,6 +211,23 @@ pub type ForwardFn = unsafe extern "C" fn(
     out_hidden: *mut mlx_array,
     error: ErrorOut,
 ) -> Status;
+/// How far back the cache can go: `*out_limit` = how many of the latest positions a
+/// trim can forget now (at most what the cache holds); `*out_window` = how many it can
+/// always forget after any forward once it holds that many, or `SIZE_MAX` when nothing
+/// bounds it but what it holds (keys and values). `ModelCache::rollback_limit` and
+/// `ModelCache::rollback_window` in C.
+pub type CacheRollbackLimitFn = unsafe extern "C" fn(
+    cache: CacheHandle,
+    out_limit: *mut usize,
+    out_window: *mut usize,
+    error: ErrorOut,
+) -> Status;
+/// The host will trim no more than `positions` after a forward: a cache that keeps
+/// past states for rolling back keeps that many from now on (a cache whose window is
+/// fixed may keep fewer, and says so through [`CacheRollbackLimitFn`]).
+/// `ModelCache::set_rollback_window` in C.
+pub type CacheSetRollbackWindowFn =
+    unsafe extern "C" fn(cache: CacheHandle, positions: usize, error: ErrorOut) -> Status;
 /// One array in, one out: `embed` (`[1, L] -> [1, L, hidden]`), `lm_head`
 /// (`[.., hidden] -> [.., vocab]`) and `final_norm`.
 pub type ArrayFn = unsafe extern "C" fn(

@@ -15,8 +15,8 @@ use crate::cache::ModelCache;
 use crate::error::Result;
 use crate::plugin::abi::{
     mlx_array, null_array, CacheHandle, ErrorOut, LoadOptionsC, ModelHandle, ModelInfoC,
-    PluginDescriptor, PluginFunctions, ProgressFn, Status, ABI_VERSION, STATUS_ERROR, STATUS_OK,
-    STATUS_PANIC,
+    PluginDescriptor, PluginFunctions, ProgressFn, RollbackFunctions, Status, ABI_VERSION,
+    STATUS_ERROR, STATUS_OK, STATUS_PANIC,
 };
 use crate::target::{LoadOptions, LoadRequest, Quantization, TargetModel};
 
@@ -252,6 +252,30 @@ unsafe extern "C" fn cache_trim(
     })
 }
 
+unsafe extern "C" fn cache_rollback_limit(
+    cache: CacheHandle,
+    out_limit: *mut usize,
+    out_window: *mut usize,
+    error: ErrorOut,
+) -> Status {
+    guard(error, || {
+        let cache = cache_mut(cache)?;
+        write(out_limit, cache.rollback_limit())?;
+        write(out_window, cache.rollback_window().unwrap_or(usize::MAX))
+    })
+}
+
+unsafe extern "C" fn cache_set_rollback_window(
+    cache: CacheHandle,
+    positions: usize,
+    error: ErrorOut,
+) -> Status {
+    guard(error, || {
+        cache_mut(cache)?.set_rollback_window(positions);
+        Ok(())
+    })
+}
+
 unsafe extern "C" fn cache_state(
     cache: CacheHandle,
     out: *mut mlx_array,
@@ -371,6 +395,16 @@ pub fn functions<E: PluginExport>() -> PluginFunctions {
     }
 }
 
+/// The rollback entries over the plugin's `ModelCache`s: what a plugin built with
+/// [`export_plugin!`](crate::export_plugin) states about its caches. Public for plugins
+/// (and tests) that assemble their own descriptor.
+pub fn rollback_functions() -> RollbackFunctions {
+    RollbackFunctions {
+        rollback_limit: Some(cache_rollback_limit),
+        set_rollback_window: Some(cache_set_rollback_window),
+    }
+}
+
 /// A descriptor in a `static`. Its pointers are to leaked, immutable strings, so
 /// sharing it between threads is sound.
 pub struct StaticDescriptor(PluginDescriptor);
@@ -412,6 +446,7 @@ pub fn descriptor<E: PluginExport>(
                 architectures,
                 architectures_len,
                 functions: functions::<E>(),
+                rollback: rollback_functions(),
             })
         });
         &made.0 as *const PluginDescriptor

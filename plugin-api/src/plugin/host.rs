@@ -16,8 +16,9 @@ use crate::error::{ModelError, Result};
 use crate::plugin::abi::{
     mlx_array, null_array, ArrayFn, CacheHandle, CacheOffsetFn, CacheStateFn, CacheTrimFn,
     DescriptorHeader, EntryFn, ForwardFn, FreeCacheFn, FreeErrorFn, FreeModelFn, LoadFn,
-    LoadOptionsC, ModelHandle, ModelInfoC, ModelInfoFn, NewCacheFn, PluginDescriptor, Status,
-    ABI_VERSION, ENTRY_SYMBOL, STATUS_OK, STATUS_PANIC,
+    LoadOptionsC, ModelHandle, ModelInfoC, ModelInfoFn, NewCacheFn, PluginDescriptor,
+    RollbackFunctions, Status, ABI_VERSION, ENTRY_SYMBOL, STATUS_OK, STATUS_PANIC,
+    V1_DESCRIPTOR_SIZE,
 };
 use crate::registry::{AdapterEntry, AdapterSource};
 use crate::target::{ForwardOutput, LoadRequest, ModelInfo, TargetModel};
@@ -40,6 +41,8 @@ struct Table {
     embed: ArrayFn,
     lm_head: ArrayFn,
     final_norm: ArrayFn,
+    /// Optional entries: `None` when the plugin has not got them (see `RollbackFunctions`).
+    rollback: RollbackFunctions,
 }
 
 /// A loaded, checked plugin library. The library itself is never unloaded: models,
@@ -130,8 +133,9 @@ pub fn load_plugin(path: &Path) -> Result<Arc<PluginLibrary>> {
 ///
 /// # Safety
 /// `descriptor` must be NULL or point to at least a [`DescriptorHeader`]; when that
-/// header has this ABI version and a large enough size, to a [`PluginDescriptor`]
-/// that stays valid for the life of the process.
+/// header has this ABI version and a size of at least [`V1_DESCRIPTOR_SIZE`], to that
+/// many bytes of a [`PluginDescriptor`] layout, whose pointers stay valid for the life
+/// of the process.
 pub(crate) unsafe fn from_descriptor(
     path: &Path,
     descriptor: *const PluginDescriptor,
@@ -159,17 +163,17 @@ pub(crate) unsafe fn from_descriptor(
             ),
         ));
     }
-    let expected = std::mem::size_of::<PluginDescriptor>();
-    if (header.struct_size as usize) < expected {
+    if (header.struct_size as usize) < V1_DESCRIPTOR_SIZE {
         return Err(plugin_error(
             path,
             format!(
-                "its descriptor is {} bytes, smaller than ABI v{ABI_VERSION}'s {expected}; rebuild the plugin",
+                "its descriptor is {} bytes, smaller than ABI v{ABI_VERSION}'s {V1_DESCRIPTOR_SIZE}; rebuild the plugin",
                 header.struct_size
             ),
         ));
     }
-    let d = unsafe { &*descriptor };
+    let d = unsafe { read_descriptor(descriptor, header.struct_size as usize) };
+    let d = &d;
     let name = unsafe { descriptor_str(path, d.name, "name")? };
     let version = unsafe { descriptor_str(path, d.version, "version")? };
     let model_types =
@@ -201,6 +205,7 @@ pub(crate) unsafe fn from_descriptor(
         embed: f.embed.ok_or_else(|| missing("embed"))?,
         lm_head: f.lm_head.ok_or_else(|| missing("lm_head"))?,
         final_norm: f.final_norm.ok_or_else(|| missing("final_norm"))?,
+        rollback: d.rollback,
     };
     Ok(Arc::new(PluginLibrary {
         path: path.to_path_buf(),
@@ -210,6 +215,26 @@ pub(crate) unsafe fn from_descriptor(
         architectures,
         table,
     }))
+}
+
+/// A copy of the descriptor's first `size` bytes, the rest left zero: a plugin built
+/// before an optional entry existed has a shorter descriptor, and a zero entry is the
+/// NULL that means "not given". Bytes past this host's layout (a newer plugin's
+/// entries) are not read; an entry only partly covered counts as not given.
+///
+/// # Safety
+/// `descriptor` must point to at least `size` readable bytes.
+unsafe fn read_descriptor(descriptor: *const PluginDescriptor, size: usize) -> PluginDescriptor {
+    let size = size.min(std::mem::size_of::<PluginDescriptor>());
+    // Optional entries are pointer-sized: round down to whole entries.
+    let size = size - size % std::mem::size_of::<usize>();
+    let mut copy = std::mem::MaybeUninit::<PluginDescriptor>::zeroed();
+    // SAFETY: the caller vouches for `size` bytes; all-zero bytes are a valid
+    // descriptor (NULL pointers, zero lengths, `None` functions).
+    unsafe {
+        std::ptr::copy_nonoverlapping(descriptor as *const u8, copy.as_mut_ptr() as *mut u8, size);
+        copy.assume_init()
+    }
 }
 
 /// Copies the plugin's error message (and frees it), if it left one.
@@ -489,14 +514,23 @@ impl TargetModel for PluginModel {
             Ok(()) => None,
             Err(e) => Some(e.to_string()),
         };
-        ModelCache::external(Box::new(PluginCache {
+        let mut cache = PluginCache {
             model: Arc::clone(&self.owned),
             handle,
             offset: 0,
             state: Vec::new(),
             state_hint: 2 * self.info.num_layers,
+            stated_limit: None,
+            window: None,
             failure,
-        }))
+        };
+        // The model's own window holds until the engine sets one.
+        if cache.failure.is_none() {
+            if let Err(e) = cache.read_rollback() {
+                cache.failure = Some(e.to_string());
+            }
+        }
+        ModelCache::external(Box::new(cache))
     }
 
     fn forward(
@@ -564,8 +598,14 @@ struct PluginCache {
     /// How many state arrays to expect before the first forward (keys and values per
     /// layer); only sizes the first buffer, a wrong guess costs one more call.
     state_hint: usize,
-    /// A failure that `TargetModel::new_cache` could not return; the next call that
-    /// uses the cache reports it.
+    /// How far back the plugin says its cache can go now, as of the latest call that
+    /// changed it; `None` when it does not say (everything held, as ABI v1 began).
+    stated_limit: Option<usize>,
+    /// How far back it can always go after a forward; `None`: no bound but what is held.
+    window: Option<usize>,
+    /// A failure that a call without a `Result` (`TargetModel::new_cache`,
+    /// `set_rollback_window`) could not return; the next call that uses the cache
+    /// reports it.
     failure: Option<String>,
 }
 
@@ -588,6 +628,21 @@ impl PluginCache {
             ))),
             None => Ok(()),
         }
+    }
+
+    /// Asks the plugin how far back its cache can go, when it can say
+    /// (`RollbackFunctions::rollback_limit`).
+    fn read_rollback(&mut self) -> Result<()> {
+        let Some(rollback_limit) = self.model.library.table.rollback.rollback_limit else {
+            return Ok(());
+        };
+        let (mut limit, mut window) = (0usize, usize::MAX);
+        self.model.call("cache_rollback_limit", |error| unsafe {
+            rollback_limit(self.handle, &mut limit, &mut window, error)
+        })?;
+        self.stated_limit = Some(limit);
+        self.window = (window != usize::MAX).then_some(window);
+        Ok(())
     }
 
     /// Re-reads offset and state after the plugin changed the cache.
@@ -619,7 +674,7 @@ impl PluginCache {
             capacity = len;
         }
         self.offset = offset;
-        Ok(())
+        self.read_rollback()
     }
 }
 
@@ -628,17 +683,41 @@ impl ExternalCache for PluginCache {
         self.offset
     }
 
-    // `rollback_limit` and `rollback_window` keep their defaults (everything held):
-    // ABI v1 has no call to ask the plugin, whose `cache_trim` fails a trim it cannot
-    // honour instead (see `CacheTrimFn`).
+    /// What the plugin states, never more than is held; without the entry, everything
+    /// held (the plugin's `cache_trim` then refuses what it cannot honour, see
+    /// `CacheTrimFn`).
+    fn rollback_limit(&self) -> usize {
+        self.stated_limit.unwrap_or(self.offset).min(self.offset)
+    }
+
+    fn rollback_window(&self) -> Option<usize> {
+        self.window
+    }
+
+    fn set_rollback_window(&mut self, positions: usize) {
+        if self.failure.is_some() {
+            return;
+        }
+        let Some(set_window) = self.model.library.table.rollback.set_rollback_window else {
+            return;
+        };
+        let set = self
+            .model
+            .call("cache_set_rollback_window", |error| unsafe {
+                set_window(self.handle, positions, error)
+            });
+        if let Err(e) = set.and_then(|()| self.read_rollback()) {
+            self.failure = Some(e.to_string());
+        }
+    }
 
     fn trim(&mut self, n: usize) -> Result<()> {
         self.check()?;
-        if n > self.offset {
+        if n > self.rollback_limit() {
             return Err(ModelError::CannotRollBack {
                 asked: n,
                 held: self.offset,
-                limit: self.offset,
+                limit: self.rollback_limit(),
             });
         }
         let table = &self.model.library.table;
@@ -658,7 +737,7 @@ impl ExternalCache for PluginCache {
                 ),
             ));
         }
-        Ok(())
+        self.read_rollback()
     }
 
     fn state(&self) -> &[Array] {
@@ -679,7 +758,9 @@ mod tests {
     use super::*;
     use crate::cache::{KvCache, LayerCache, RecurrentCache};
     use crate::plugin::abi::PluginFunctions;
-    use crate::plugin::export::{descriptor, functions, PluginExport, StaticDescriptor};
+    use crate::plugin::export::{
+        descriptor, functions, rollback_functions, PluginExport, StaticDescriptor,
+    };
     use crate::target::LoadOptions;
 
     const VOCAB: i32 = 11;
@@ -780,9 +861,16 @@ mod tests {
     }
 
     fn load(config: serde_json::Value) -> Result<Box<dyn TargetModel>> {
+        load_from(&stub_library(), config)
+    }
+
+    fn load_from(
+        library: &Arc<PluginLibrary>,
+        config: serde_json::Value,
+    ) -> Result<Box<dyn TargetModel>> {
         let reported = std::cell::Cell::new(0);
         let progress = |done: usize, _total: usize| reported.set(done);
-        let model = stub_library().load_model(&LoadRequest {
+        let model = library.load_model(&LoadRequest {
             dir: Path::new("/models/stub"),
             config: &config,
             options: &LoadOptions::default(),
@@ -832,12 +920,20 @@ mod tests {
         // Past what is held: refused on the host side, nothing forgotten.
         assert!(cache.trim(2).is_err());
         assert_eq!(cache.offset(), 1);
-        // Held, but past the plugin's recurrent window: the plugin refuses, and says
-        // how far it could go.
+        // Held, but past the plugin's recurrent window, which the plugin states: refused
+        // before the plugin is asked.
         model.forward(&ids(&[4, 5, 6]), &mut cache, &[]).unwrap();
-        let err = cache.trim(3).expect_err("past the window").to_string();
+        assert_eq!(cache.rollback_limit(), 2);
+        let err = cache.trim(3).expect_err("past the window");
         assert!(
-            err.contains("cache_trim") && err.contains("at most 2"),
+            matches!(
+                err,
+                ModelError::CannotRollBack {
+                    asked: 3,
+                    held: 4,
+                    limit: 2
+                }
+            ),
             "{err}"
         );
         assert_eq!(cache.offset(), 4, "nothing forgotten");
@@ -937,6 +1033,7 @@ mod tests {
             architectures: std::ptr::null(),
             architectures_len: 0,
             functions,
+            rollback: RollbackFunctions::default(),
         };
         let path = Path::new("libpartial.so");
         let no_forward = make(
@@ -957,5 +1054,158 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(err.contains("no model_type"), "{err}");
+    }
+
+    /// The descriptor as plugins built before `RollbackFunctions` lay it out: exactly
+    /// the fields up to `functions`, nothing after them in memory.
+    #[repr(C)]
+    struct FirstV1Layout {
+        struct_size: u32,
+        abi_version: u32,
+        name: *const c_char,
+        version: *const c_char,
+        model_types: *const *const c_char,
+        model_types_len: usize,
+        architectures: *const *const c_char,
+        architectures_len: usize,
+        functions: PluginFunctions,
+    }
+
+    /// A descriptor from a plugin built against a newer dspec-plugin-api of the same ABI
+    /// version: this host's layout followed by an entry it does not know.
+    #[repr(C)]
+    struct NewerLayout {
+        known: PluginDescriptor,
+        unknown: usize,
+    }
+
+    /// The stub's model_types, as the ABI wants them: alive for the whole process.
+    fn stub_types() -> *const *const c_char {
+        Box::leak(Box::new([c"stub".as_ptr()])).as_ptr()
+    }
+
+    fn stub_descriptor(struct_size: usize, rollback: RollbackFunctions) -> PluginDescriptor {
+        PluginDescriptor {
+            struct_size: struct_size as u32,
+            abi_version: ABI_VERSION,
+            name: c"stub".as_ptr(),
+            version: c"0".as_ptr(),
+            model_types: stub_types(),
+            model_types_len: 1,
+            architectures: std::ptr::null(),
+            architectures_len: 0,
+            functions: functions::<StubExport>(),
+            rollback,
+        }
+    }
+
+    /// Loads the stub from a descriptor laid out as a plugin built before the rollback
+    /// entries (only that many bytes exist), as one built with them, as one that claims
+    /// to have been built with only the first of them, and as a newer one.
+    fn stub_libraries() -> [(&'static str, Arc<PluginLibrary>); 4] {
+        assert_eq!(std::mem::size_of::<FirstV1Layout>(), V1_DESCRIPTOR_SIZE);
+        let path = Path::new("libstub.so");
+        let old: &'static FirstV1Layout = Box::leak(Box::new(FirstV1Layout {
+            struct_size: V1_DESCRIPTOR_SIZE as u32,
+            abi_version: ABI_VERSION,
+            name: c"stub".as_ptr(),
+            version: c"0".as_ptr(),
+            model_types: stub_types(),
+            model_types_len: 1,
+            architectures: std::ptr::null(),
+            architectures_len: 0,
+            functions: functions::<StubExport>(),
+        }));
+        let size = std::mem::size_of::<PluginDescriptor>();
+        let current: &'static PluginDescriptor =
+            Box::leak(Box::new(stub_descriptor(size, rollback_functions())));
+        // A size that covers `rollback_limit` only: `set_rollback_window` is not read,
+        // though the bytes behind it hold a function.
+        let first_entry: &'static PluginDescriptor = Box::leak(Box::new(stub_descriptor(
+            V1_DESCRIPTOR_SIZE + std::mem::size_of::<usize>(),
+            rollback_functions(),
+        )));
+        let newer: &'static NewerLayout = Box::leak(Box::new(NewerLayout {
+            known: stub_descriptor(std::mem::size_of::<NewerLayout>(), rollback_functions()),
+            unknown: 7,
+        }));
+        let load = |d: *const PluginDescriptor| {
+            unsafe { from_descriptor(path, d) }.unwrap_or_else(|e| panic!("{e}"))
+        };
+        [
+            (
+                "first v1 layout",
+                load(old as *const FirstV1Layout as *const _),
+            ),
+            ("current layout", load(current)),
+            ("rollback_limit only", load(first_entry)),
+            ("newer layout", load(&newer.known)),
+        ]
+    }
+
+    /// A plugin with recurrent state tells the host how far its cache rolls back when
+    /// its descriptor has the rollback entries; one built before them keeps v1's first
+    /// meaning (everything held, the plugin's `cache_trim` refusing what it cannot do).
+    #[test]
+    fn the_rollback_entries_are_read_only_where_the_descriptor_has_them() {
+        for (layout, library) in stub_libraries() {
+            let model = load_from(&library, serde_json::json!({})).unwrap();
+            let mut cache = model.new_cache();
+            model.forward(&ids(&[1, 2, 3]), &mut cache, &[]).unwrap();
+            let stated = layout != "first v1 layout";
+            let can_set = stated && layout != "rollback_limit only";
+            assert_eq!(
+                (cache.rollback_limit(), cache.rollback_window()),
+                if stated { (2, Some(2)) } else { (3, None) },
+                "{layout}"
+            );
+            cache.set_rollback_window(3);
+            model.forward(&ids(&[4, 5, 6]), &mut cache, &[]).unwrap();
+            let expected = match (stated, can_set) {
+                (false, _) => (6, None),
+                (true, false) => (2, Some(2)),
+                (true, true) => (3, Some(3)),
+            };
+            assert_eq!(
+                (cache.rollback_limit(), cache.rollback_window()),
+                expected,
+                "{layout}"
+            );
+            let err = cache.trim(4).expect_err("past the recurrent window");
+            if stated {
+                assert!(
+                    matches!(err, ModelError::CannotRollBack { asked: 4, .. }),
+                    "{layout}: {err}"
+                );
+            } else {
+                let err = err.to_string();
+                assert!(
+                    err.contains("cache_trim") && err.contains("at most 2"),
+                    "{layout}: the plugin refuses: {err}"
+                );
+            }
+            assert_eq!(cache.offset(), 6, "{layout}: nothing forgotten");
+            cache.trim(2).unwrap();
+            assert_eq!(cache.offset(), 4, "{layout}");
+            if stated {
+                assert_eq!(cache.rollback_limit(), expected.0 - 2, "{layout}: re-read");
+            }
+        }
+    }
+
+    /// The conformance checker trusts what a cache says about its rollback: a plugin
+    /// with recurrent state passes it across the ABI only when it can say it.
+    #[test]
+    fn a_recurrent_plugin_passes_the_conformance_checker_when_it_states_its_limit() {
+        for (layout, library) in stub_libraries() {
+            let model = load_from(&library, serde_json::json!({})).unwrap();
+            let checked = crate::conformance::check_target_model(model.as_ref());
+            if layout == "first v1 layout" {
+                let err = checked.expect_err("a trim past the window it could not state");
+                assert!(err.contains("at most 2"), "{err}");
+            } else {
+                checked.unwrap_or_else(|e| panic!("{layout}: {e}"));
+            }
+        }
     }
 }

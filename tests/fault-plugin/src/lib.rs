@@ -3,24 +3,37 @@
 //!
 //! Its model needs no weights: config.json's `"fault"` picks what breaks
 //! (`fail_load`, `panic_load`, `fail_forward`, `panic_forward`, `mlx_forward`; anything else works,
-//! returning zero logits). Two environment variables, read once when the descriptor is
-//! built, change the descriptor itself: `DSPEC_FAULT_PLUGIN_ABI` (the ABI version it
-//! claims) and `DSPEC_FAULT_PLUGIN_MODEL_TYPES` (comma-separated; default `faulty`).
+//! returning zero logits). `"recurrent"` is a model that works and has a cache with
+//! recurrent state that goes back two positions unless the host asks for more; it
+//! predicts config.json's `"next_token"` (default 97, `a`) after every position.
+//! Three environment variables, read once when the descriptor is built, change the
+//! descriptor itself: `DSPEC_FAULT_PLUGIN_ABI` (the ABI version it claims),
+//! `DSPEC_FAULT_PLUGIN_MODEL_TYPES` (comma-separated; default `faulty`) and
+//! `DSPEC_FAULT_PLUGIN_LAYOUT` (`first-v1`: a `struct_size` of v1's first layout, as a
+//! plugin built before the rollback entries has, though the entries are there).
 
 use std::ffi::{c_char, CString};
 use std::sync::OnceLock;
 
-use mlx_rs::ops::zeros;
+use mlx_rs::ops::{eye, zeros};
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::plugin::abi::{PluginDescriptor, ABI_VERSION};
-use dspec_plugin_api::plugin::export::{functions, PluginExport};
-use dspec_plugin_api::{ForwardOutput, LoadRequest, ModelCache, ModelInfo, TargetModel};
+use dspec_plugin_api::plugin::abi::{PluginDescriptor, ABI_VERSION, V1_DESCRIPTOR_SIZE};
+use dspec_plugin_api::plugin::export::{functions, rollback_functions, PluginExport};
+use dspec_plugin_api::{
+    ForwardOutput, LayerCache, LoadRequest, ModelCache, ModelInfo, RecurrentCache, TargetModel,
+};
+
+/// Past states the `recurrent` model's cache keeps until the host asks for another
+/// number.
+const RECURRENT_WINDOW: usize = 2;
 
 struct Faulty {
     info: ModelInfo,
     fault: String,
+    /// What the `recurrent` model predicts.
+    next_token: u32,
 }
 
 impl TargetModel for Faulty {
@@ -29,16 +42,43 @@ impl TargetModel for Faulty {
     }
 
     fn new_cache(&self) -> ModelCache {
-        ModelCache::new(self.info.num_layers)
+        match self.fault.as_str() {
+            "recurrent" => ModelCache::with_layers(vec![LayerCache::Recurrent(
+                RecurrentCache::new(RECURRENT_WINDOW),
+            )]),
+            _ => ModelCache::new(self.info.num_layers),
+        }
     }
 
     fn forward(
         &self,
         tokens: &Array,
-        _cache: &mut ModelCache,
+        cache: &mut ModelCache,
         taps: &[usize],
     ) -> Result<ForwardOutput> {
         match self.fault.as_str() {
+            "recurrent" => {
+                let len = tokens.shape().get(1).copied().unwrap_or(1) as usize;
+                let layer = cache
+                    .layers_mut()
+                    .first_mut()
+                    .ok_or_else(|| ModelError::Unsupported("no cache layer".into()))?
+                    .recurrent_mut()?;
+                let states = (0..len).map(|_| zeros::<f32>(&[1]).map(|s| vec![s]));
+                layer.advance(len, states.collect::<std::result::Result<_, _>>()?)?;
+                let v = self.info.vocab_size as i32;
+                let next = Array::from_slice(&vec![self.next_token; len], &[1, len as i32]);
+                let logits = eye::<f32>(v, None, None)?.take_axis(&next, 0)?;
+                Ok(ForwardOutput {
+                    logits,
+                    hidden: (!taps.is_empty())
+                        .then(|| {
+                            let h = self.info.hidden_size as i32;
+                            zeros::<f32>(&[1, len as i32, h * taps.len() as i32])
+                        })
+                        .transpose()?,
+                })
+            }
             "panic_forward" => panic!("forward exploded on purpose"),
             "fail_forward" => Err(ModelError::Unsupported("forward failed on purpose".into())),
             // An exception inside MLX (shapes that cannot be multiplied), raised in the
@@ -106,6 +146,10 @@ impl PluginExport for Export {
                     max_context: None,
                 },
                 fault,
+                next_token: request.config["next_token"]
+                    .as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .unwrap_or(97),
             })),
         }
     }
@@ -126,6 +170,10 @@ fn build() -> Descriptor {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(ABI_VERSION);
+    let struct_size = match std::env::var("DSPEC_FAULT_PLUGIN_LAYOUT").as_deref() {
+        Ok("first-v1") => V1_DESCRIPTOR_SIZE,
+        _ => std::mem::size_of::<PluginDescriptor>(),
+    };
     let model_types: Vec<*const c_char> = std::env::var("DSPEC_FAULT_PLUGIN_MODEL_TYPES")
         .unwrap_or_else(|_| "faulty".into())
         .split(',')
@@ -133,7 +181,7 @@ fn build() -> Descriptor {
         .collect();
     let model_types_len = model_types.len();
     Descriptor(PluginDescriptor {
-        struct_size: std::mem::size_of::<PluginDescriptor>() as u32,
+        struct_size: struct_size as u32,
         abi_version,
         name: leak("fault-plugin"),
         version: leak(env!("CARGO_PKG_VERSION")),
@@ -142,6 +190,7 @@ fn build() -> Descriptor {
         architectures: std::ptr::null(),
         architectures_len: 0,
         functions: functions::<Export>(),
+        rollback: rollback_functions(),
     })
 }
 
