@@ -10,8 +10,8 @@ use mlx_rs::Array;
 use dspec_adapters::attention::WHOLE_BUFFER_MAX_TOKENS;
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{
-    inventory, Draft, DraftAhead, Drafter, DrafterLoadRequest, DrafterRegistration, Picked,
-    TargetModel, TokenPicker,
+    inventory, Agreement, Draft, DraftAhead, Drafter, DrafterLoadRequest, DrafterRegistration,
+    Picked, TargetModel, TokenPicker,
 };
 use dspec_runtime::Backend;
 
@@ -26,6 +26,10 @@ pub struct DraftModelDrafter {
     thread: DraftThread,
     /// Committed tokens the thread has not been told about yet.
     unsent: Vec<u32>,
+    /// How many tokens at the head of `unsent`, and of the `last` after them, a drafting
+    /// round already accounted for (its kept drafts and the target's token after them):
+    /// the thread checks its guesses only on the rest, plain decoding's tokens.
+    accounted: usize,
     /// Whether the last `propose` sent its `last` to the thread: then it opens the next
     /// `commit`, already sent. A propose of no drafts sends nothing, and the commit after
     /// it (plain steps, maybe many) is all unsent.
@@ -51,6 +55,7 @@ impl DraftModelDrafter {
         Ok(Self {
             thread: DraftThread::spawn(model, target_vocab, ahead, max_new_tokens)?,
             unsent: Vec::new(),
+            accounted: 0,
             sent_last: false,
             target_vocab,
             overlaps: ahead != DraftAhead::Off,
@@ -87,6 +92,7 @@ impl Drafter for DraftModelDrafter {
         _hidden: Option<&Array>,
     ) -> Result<()> {
         self.unsent.clear();
+        self.accounted = 0;
         self.sent_last = false;
         // The draft model reads the prompt on its thread; the first `propose` waits.
         self.thread.begin(prompt)
@@ -106,8 +112,9 @@ impl Drafter for DraftModelDrafter {
         let mut committed = std::mem::take(&mut self.unsent);
         committed.push(last);
         self.sent_last = true;
+        let check_from = std::mem::take(&mut self.accounted);
         if picker.is_greedy() {
-            draft.tokens = self.thread.draft(committed, max_k)?.tokens;
+            draft.tokens = self.thread.draft(committed, check_from, max_k)?.tokens;
             return Ok(draft);
         }
         // Sampled: the engine picks each token from the draft model's logits.
@@ -118,7 +125,7 @@ impl Drafter for DraftModelDrafter {
             } else {
                 Vec::new()
             };
-            let logits = self.thread.logits(committed, extra)?;
+            let logits = self.thread.logits(committed, check_from, extra)?;
             let vocab = logits.len() as i32;
             let picked = picker.pick(&Array::from_slice(&logits, &[1, vocab]))?;
             draft.extend(self.widen(picked)?)?;
@@ -131,13 +138,22 @@ impl Drafter for DraftModelDrafter {
         let sent = usize::from(std::mem::take(&mut self.sent_last));
         self.unsent
             .extend_from_slice(verified.get(sent..).unwrap_or_default());
+        if sent == 1 {
+            self.accounted = self.unsent.len() + 1;
+        }
         // A run of plain steps arrives in pieces: where the thread's work overlaps the
         // target's (as drafting ahead does), it reads each piece while the target decodes
         // on, instead of all of them at the next round's drafting, on its clock.
         if self.overlaps && self.unsent.len() >= FEED_AT {
-            self.thread.feed(std::mem::take(&mut self.unsent))?;
+            let check_from = self.accounted.min(self.unsent.len());
+            self.accounted -= check_from;
+            self.thread.feed(std::mem::take(&mut self.unsent), check_from)?;
         }
         Ok(())
+    }
+
+    fn agreement(&mut self) -> Option<Agreement> {
+        Some(self.thread.agreement())
     }
 }
 

@@ -19,18 +19,20 @@
 //! evaluated here. The model is loaded on the caller's thread and evaluated once through
 //! a whole forward ([`DraftThread::spawn`] does it) before it moves.
 
+use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
+use mlx_rs::ops::{concatenate, eq, sum};
 use mlx_rs::{Array, Dtype};
 
 use dspec_adapters::attention::{
     reserve_for_generation, whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS,
 };
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::{DraftAhead, ModelCache, TargetModel};
+use dspec_plugin_api::{Agreement, DraftAhead, ModelCache, TargetModel};
 
 /// Longest prompt slice fed to the draft model in one forward while starting.
 const PREFILL_CHUNK: usize = 512;
@@ -59,18 +61,30 @@ const KEPT_ALL_WEIGHT: f64 = 0.2;
 const ROLLBACK_WINDOW: usize = 16;
 
 /// What the engine's thread asks of the draft thread. Every request gets one reply.
+///
+/// Requests that grow the committed sequence say from which of the new tokens on
+/// (`check_from`) the model's guesses are checked ([`DraftThread::agreement`]): the
+/// tokens of plain decoding steps, not the ones a drafting round already accounted for.
 enum Request {
     /// A new sequence: forget everything and read this prompt.
     Begin(Vec<u32>),
     /// The committed sequence grew by these tokens while the engine decodes without
     /// drafts: read them now, so that the next round's drafting finds them read.
-    Feed(Vec<u32>),
+    Feed {
+        committed: Vec<u32>,
+        check_from: usize,
+    },
     /// The committed sequence grew by `committed`: the model's `k` greedy tokens after it.
-    Draft { committed: Vec<u32>, k: usize },
+    Draft {
+        committed: Vec<u32>,
+        check_from: usize,
+        k: usize,
+    },
     /// The committed sequence grew by `committed`: the model's logits after it followed
     /// by `extra` (sampled drafting, where the engine picks each token).
     Logits {
         committed: Vec<u32>,
+        check_from: usize,
         extra: Vec<u32>,
     },
     /// Reply once drafting ahead has gone as far as it goes (tests).
@@ -103,6 +117,8 @@ pub struct DraftThread {
     /// Replies not yet collected (a `begin` does not wait for its own).
     outstanding: usize,
     handle: Option<JoinHandle<()>>,
+    /// The model's guesses checked against committed tokens, added up by the thread.
+    agreement: Arc<Mutex<Agreement>>,
 }
 
 /// Evaluates a forward of `model` on a throwaway cache, so that every array the model
@@ -129,11 +145,13 @@ impl DraftThread {
         let (requests, inbox) = channel();
         let (outbox, replies) = channel();
         let vocab = vocab.min(model.info().vocab_size) as i32;
+        let agreement = Arc::new(Mutex::new(Agreement::default()));
+        let counted = Arc::clone(&agreement);
         let handle = std::thread::Builder::new()
             .name("dspec-draft".into())
             .spawn(move || {
                 serve(
-                    Chain::new(model, vocab, ahead, max_new_tokens),
+                    Chain::new(model, vocab, ahead, max_new_tokens, counted),
                     inbox,
                     outbox,
                 )
@@ -146,7 +164,19 @@ impl DraftThread {
             replies,
             outstanding: 0,
             handle: Some(handle),
+            agreement,
         })
+    }
+
+    /// Of the committed tokens read since the last call from `check_from` on, how many
+    /// the model's greedy guess (from the tokens before each) matched. Counted as the
+    /// thread reads them, so tokens still being read count at a later call.
+    pub fn agreement(&self) -> Agreement {
+        match self.agreement.lock() {
+            Ok(mut counted) => std::mem::take(&mut *counted),
+            // The thread panicked while counting: nothing trustworthy to report.
+            Err(_) => Agreement::default(),
+        }
     }
 
     fn send(&mut self, request: Request) -> Result<()> {
@@ -183,15 +213,22 @@ impl DraftThread {
     /// Tells the thread that the committed sequence grew by `committed`, without waiting:
     /// it reads them while the engine goes on (the reply is collected with the next
     /// request's), so a long run of plain decoding steps is not read all at once when
-    /// drafting resumes.
-    pub fn feed(&mut self, committed: Vec<u32>) -> Result<()> {
-        self.send(Request::Feed(committed))
+    /// drafting resumes. Guesses are checked from `committed[check_from]` on.
+    pub fn feed(&mut self, committed: Vec<u32>, check_from: usize) -> Result<()> {
+        self.send(Request::Feed {
+            committed,
+            check_from,
+        })
     }
 
     /// The draft model's `k` greedy tokens after the committed sequence, which has grown
-    /// by `committed` since the last request.
-    pub fn draft(&mut self, committed: Vec<u32>, k: usize) -> Result<Drafted> {
-        self.send(Request::Draft { committed, k })?;
+    /// by `committed` since the last request (guesses checked from `check_from` on).
+    pub fn draft(&mut self, committed: Vec<u32>, check_from: usize, k: usize) -> Result<Drafted> {
+        self.send(Request::Draft {
+            committed,
+            check_from,
+            k,
+        })?;
         match self.collect()? {
             Reply::Tokens(drafted) => Ok(drafted),
             _ => Err(unexpected()),
@@ -199,9 +236,18 @@ impl DraftThread {
     }
 
     /// The draft model's logits (cut to the vocabulary) after the committed sequence,
-    /// grown by `committed`, followed by `extra`.
-    pub fn logits(&mut self, committed: Vec<u32>, extra: Vec<u32>) -> Result<Vec<f32>> {
-        self.send(Request::Logits { committed, extra })?;
+    /// grown by `committed` (guesses checked from `check_from` on), followed by `extra`.
+    pub fn logits(
+        &mut self,
+        committed: Vec<u32>,
+        check_from: usize,
+        extra: Vec<u32>,
+    ) -> Result<Vec<f32>> {
+        self.send(Request::Logits {
+            committed,
+            check_from,
+            extra,
+        })?;
         match self.collect()? {
             Reply::Logits(logits) => Ok(logits),
             _ => Err(unexpected()),
@@ -291,6 +337,11 @@ struct Chain {
     failed: Option<ModelError>,
     /// Positions a generation may add after its prompt, when known.
     max_new_tokens: Option<usize>,
+    /// Positions of the committed sequence whose guesses are checked when read, the
+    /// checks still on the device (matches, positions), and where they are added up.
+    checking: Range<usize>,
+    pending_checks: Vec<(Array, usize)>,
+    agreement: Arc<Mutex<Agreement>>,
     #[cfg(test)]
     kept_at_begin: usize,
 }
@@ -301,6 +352,7 @@ impl Chain {
         vocab: i32,
         ahead: DraftAhead,
         max_new_tokens: Option<usize>,
+        agreement: Arc<Mutex<Agreement>>,
     ) -> Self {
         let mut cache = model.new_cache();
         cache.set_rollback_window(ROLLBACK_WINDOW);
@@ -319,6 +371,9 @@ impl Chain {
             kept_all: 1.0,
             failed: None,
             max_new_tokens,
+            checking: 0..0,
+            pending_checks: Vec::new(),
+            agreement,
             #[cfg(test)]
             kept_at_begin: 0,
         }
@@ -343,11 +398,29 @@ impl Chain {
             // A new sequence needs nothing from the old one.
             (Request::Begin(prompt), _) => self.begin(prompt).map(|()| Reply::Begun),
             (_, Some(e)) => Err(e),
-            (Request::Feed(committed), None) => self.feed(&committed).map(|()| Reply::Fed),
-            (Request::Draft { committed, k }, None) => self.draft(&committed, k).map(Reply::Tokens),
-            (Request::Logits { committed, extra }, None) => {
-                self.logits(&committed, &extra).map(Reply::Logits)
-            }
+            (
+                Request::Feed {
+                    committed,
+                    check_from,
+                },
+                None,
+            ) => self.feed(&committed, check_from).map(|()| Reply::Fed),
+            (
+                Request::Draft {
+                    committed,
+                    check_from,
+                    k,
+                },
+                None,
+            ) => self.draft(&committed, check_from, k).map(Reply::Tokens),
+            (
+                Request::Logits {
+                    committed,
+                    check_from,
+                    extra,
+                },
+                None,
+            ) => self.logits(&committed, check_from, &extra).map(Reply::Logits),
             #[cfg(test)]
             (Request::Settle, None) => {
                 while self.wants_more() {
@@ -366,9 +439,9 @@ impl Chain {
 
     /// The model's `k` greedy tokens after the committed sequence grown by `committed`
     /// (fewer when eager and some were ready), then drafting ahead is armed.
-    fn draft(&mut self, committed: &[u32], k: usize) -> Result<Drafted> {
+    fn draft(&mut self, committed: &[u32], check_from: usize, k: usize) -> Result<Drafted> {
         self.observe_round(committed);
-        let want = self.committed_with(committed)?;
+        let want = self.committed_with(committed, check_from)?;
         let ready = match self.follow(&want)? {
             true => (self.len() - want.len()).min(k),
             false => 0,
@@ -397,8 +470,8 @@ impl Chain {
 
     /// Grows the committed sequence by `committed` and reads all of it but its last
     /// token, which the next round feeds anyway to get the logits after it.
-    fn feed(&mut self, committed: &[u32]) -> Result<()> {
-        let want = self.committed_with(committed)?;
+    fn feed(&mut self, committed: &[u32], check_from: usize) -> Result<()> {
+        let want = self.committed_with(committed, check_from)?;
         if want.len() < 2 {
             return Ok(());
         }
@@ -411,17 +484,60 @@ impl Chain {
             _ => WHOLE_BUFFER_MAX_TOKENS as usize,
         };
         for piece in want[keep..want.len() - 1].chunks(piece) {
-            // Only the cache is wanted: the logits stay unevaluated.
-            self.model.forward(
-                &Array::from_slice(piece, &[1, piece.len() as i32]),
-                &mut self.cache,
-                &[],
-            )?;
+            // The cache is wanted, and the logits only where guesses are checked.
+            self.read(piece, self.fed, &want)?;
             self.fed += piece.len();
         }
         mlx_rs::transforms::eval(self.cache.state())?;
+        self.count_checks()?;
         self.own_from = want.len();
         self.host = want;
+        Ok(())
+    }
+
+    /// Feeds `tokens`, the positions of `sequence` from `start` on, and returns the logits
+    /// after each (`[n, vocab]`). Each row is the model's guess of the next position:
+    /// where that position is one being checked, whether the guess matched is counted
+    /// (on the device; read by [`Self::count_checks`]).
+    fn read(&mut self, tokens: &[u32], start: usize, sequence: &[u32]) -> Result<Array> {
+        let n = tokens.len();
+        let out = self.model.forward(
+            &Array::from_slice(tokens, &[1, n as i32]),
+            &mut self.cache,
+            &[],
+        )?;
+        let logits = out.logits.try_index((0, .., ..self.vocab))?;
+        let first = self.checking.start.max(start + 1);
+        let end = self.checking.end.min(start + n + 1).min(sequence.len());
+        if first < end {
+            let rows = (first - start - 1) as i32..(end - start - 1) as i32;
+            let guesses = argmax_axis(logits.try_index(rows)?, -1, false)?;
+            let actual = Array::from_slice(&sequence[first..end], &[(end - first) as i32]);
+            let matches = sum(eq(guesses.as_dtype(Dtype::Uint32)?, actual)?, None)?;
+            mlx_rs::transforms::async_eval([&matches])?;
+            self.pending_checks.push((matches, end - first));
+        }
+        Ok(logits)
+    }
+
+    /// Adds the checks made so far to what [`DraftThread::agreement`] reports.
+    fn count_checks(&mut self) -> Result<()> {
+        if self.pending_checks.is_empty() {
+            return Ok(());
+        }
+        let mut counted = Agreement::default();
+        for (matches, checked) in std::mem::take(&mut self.pending_checks) {
+            let agreed = matches.try_item_cast::<u32>().map_err(|e| {
+                ModelError::Unsupported(format!("reading the draft model's checks: {e}"))
+            })?;
+            counted.add(Agreement {
+                agreed: agreed as usize,
+                checked,
+            });
+        }
+        if let Ok(mut total) = self.agreement.lock() {
+            total.add(counted);
+        }
         Ok(())
     }
 
@@ -452,8 +568,8 @@ impl Chain {
 
     /// The model's logits after the committed sequence grown by `committed`, followed
     /// by `extra`, on the host.
-    fn logits(&mut self, committed: &[u32], extra: &[u32]) -> Result<Vec<f32>> {
-        let mut want = self.committed_with(committed)?;
+    fn logits(&mut self, committed: &[u32], check_from: usize, extra: &[u32]) -> Result<Vec<f32>> {
+        let mut want = self.committed_with(committed, check_from)?;
         want.extend_from_slice(extra);
         let logits = self.restart_at(&want)?.as_dtype(Dtype::Float32)?;
         logits.eval()?;
@@ -484,6 +600,8 @@ impl Chain {
         self.committed = None;
         self.last_drafts.clear();
         self.lazy.clear();
+        self.checking = 0..0;
+        self.pending_checks.clear();
         let kept = match shared {
             0 => 0,
             _ => self.rewind_to(shared, prompt.len())?,
@@ -528,8 +646,9 @@ impl Chain {
         Ok(())
     }
 
-    /// The committed sequence after appending `committed`.
-    fn committed_with(&mut self, committed: &[u32]) -> Result<Vec<u32>> {
+    /// The committed sequence after appending `committed`, whose tokens from
+    /// `check_from` on have their guesses checked when read.
+    fn committed_with(&mut self, committed: &[u32], check_from: usize) -> Result<Vec<u32>> {
         self.resolve()?;
         let Some(known) = self.committed.filter(|&n| n <= self.host.len()) else {
             return Err(ModelError::Unsupported(
@@ -539,6 +658,7 @@ impl Chain {
         };
         let mut want = self.host[..known].to_vec();
         want.extend_from_slice(committed);
+        self.checking = known + check_from.min(committed.len())..want.len();
         self.committed = Some(want.len());
         self.ahead_until = 0;
         Ok(want)
@@ -583,8 +703,11 @@ impl Chain {
             _ => WHOLE_BUFFER_MAX_TOKENS as usize,
         };
         let mut logits = None;
+        let mut start = keep;
         for piece in rest.chunks(piece) {
-            logits = Some(self.step(&Array::from_slice(piece, &[1, piece.len() as i32]))?);
+            let all = self.read(piece, start, want)?;
+            logits = Some(all.try_index(-1..)?);
+            start += piece.len();
         }
         let logits = logits.ok_or_else(|| ModelError::Unsupported("nothing to feed".into()))?;
         self.fed = want.len();
@@ -630,6 +753,7 @@ impl Chain {
 
     /// Reads the tokens still on the device (one wait for all of them).
     fn resolve(&mut self) -> Result<()> {
+        self.count_checks()?;
         if self.lazy.is_empty() {
             return Ok(());
         }
@@ -677,7 +801,7 @@ mod tests {
     /// The model's `k` greedy tokens after the prompt and 35, from a thread of its own.
     fn greedy_chain(dir: &tempfile::TempDir, k: usize) -> Vec<u32> {
         spawn(dir, DraftAhead::Off)
-            .draft(vec![35], k)
+            .draft(vec![35], 0, k)
             .expect("chain")
             .tokens
     }
@@ -700,7 +824,7 @@ mod tests {
     fn a_new_prompt_keeps_what_it_shares_with_the_sequence_before() {
         let dir = model_dir(29);
         let mut reused = spawn(&dir, DraftAhead::Eager);
-        let first = reused.draft(vec![35], 3).expect("a round").tokens;
+        let first = reused.draft(vec![35], 0, 3).expect("a round").tokens;
         reused.settle().expect("ahead");
         let mut next = PROMPT.to_vec();
         next.push(35);
@@ -708,12 +832,12 @@ mod tests {
         next.extend_from_slice(&[11, 12]);
         reused.begin(&next).expect("begin again");
         assert_eq!(reused.settle().expect("kept"), PROMPT.len() + 3);
-        let drafts = reused.draft(vec![40], 4).expect("reused").tokens;
+        let drafts = reused.draft(vec![40], 0, 4).expect("reused").tokens;
 
         let mut fresh = spawn_unstarted(&dir, DraftAhead::Off);
         fresh.begin(&next).expect("begin");
         assert_eq!(fresh.settle().expect("kept"), 0);
-        assert_eq!(drafts, fresh.draft(vec![40], 4).expect("fresh").tokens);
+        assert_eq!(drafts, fresh.draft(vec![40], 0, 4).expect("fresh").tokens);
 
         // A prompt sharing nothing reads everything.
         reused.begin(&[7, 8, 9]).expect("begin a third time");
@@ -725,9 +849,9 @@ mod tests {
         let dir = model_dir(23);
         let committed: Vec<u32> = (0..75).map(|i| (i * 29 + 7) % 97).collect();
         let mut caught_up = spawn(&dir, DraftAhead::Off);
-        caught_up.draft(vec![35], 2).expect("a first round");
+        caught_up.draft(vec![35], 0, 2).expect("a first round");
         let drafts = caught_up
-            .draft(committed.clone(), 4)
+            .draft(committed.clone(), 0, 4)
             .expect("after the run")
             .tokens;
 
@@ -737,7 +861,7 @@ mod tests {
         prompt.extend_from_slice(&committed[..committed.len() - 1]);
         whole.begin(&prompt).expect("begin");
         let expected = whole
-            .draft(vec![committed[committed.len() - 1]], 4)
+            .draft(vec![committed[committed.len() - 1]], 0, 4)
             .expect("whole")
             .tokens;
         assert_eq!(drafts, expected);
@@ -751,14 +875,14 @@ mod tests {
         let dir = model_dir(29);
         let committed: Vec<u32> = (0..81).map(|i| (i * 31 + 5) % 97).collect();
         let mut fed = spawn(&dir, DraftAhead::On);
-        fed.draft(vec![35], 3).expect("a first round");
-        fed.feed(committed[..32].to_vec()).expect("a piece");
-        fed.feed(committed[32..33].to_vec())
+        fed.draft(vec![35], 0, 3).expect("a first round");
+        fed.feed(committed[..32].to_vec(), 0).expect("a piece");
+        fed.feed(committed[32..33].to_vec(), 0)
             .expect("a one-token piece");
-        fed.feed(committed[33..70].to_vec())
+        fed.feed(committed[33..70].to_vec(), 0)
             .expect("a longer piece");
         let drafts = fed
-            .draft(committed[70..].to_vec(), 4)
+            .draft(committed[70..].to_vec(), 0, 4)
             .expect("after the run")
             .tokens;
 
@@ -768,7 +892,7 @@ mod tests {
         prompt.extend_from_slice(&committed[..committed.len() - 1]);
         whole.begin(&prompt).expect("begin");
         let expected = whole
-            .draft(vec![committed[committed.len() - 1]], 4)
+            .draft(vec![committed[committed.len() - 1]], 0, 4)
             .expect("whole")
             .tokens;
         assert_eq!(drafts, expected);
@@ -779,8 +903,8 @@ mod tests {
     fn feeding_without_a_prompt_fails_at_the_next_request() {
         let dir = model_dir(31);
         let mut thread = spawn_unstarted(&dir, DraftAhead::Off);
-        thread.feed(vec![1, 2, 3]).expect("sending does not wait");
-        let e = thread.draft(vec![4], 2).expect_err("no prompt was read");
+        thread.feed(vec![1, 2, 3], 0).expect("sending does not wait");
+        let e = thread.draft(vec![4], 0, 2).expect_err("no prompt was read");
         assert!(e.to_string().contains("no prompt"), "{e}");
     }
 
@@ -794,7 +918,7 @@ mod tests {
         let chain = greedy_chain(&dir, 9);
         let (mut ahead, mut plain) = (spawn(&dir, DraftAhead::On), spawn(&dir, DraftAhead::Off));
         let round =
-            |t: &mut DraftThread, committed: &[u32]| t.draft(committed.to_vec(), 4).expect("draft");
+            |t: &mut DraftThread, committed: &[u32]| t.draft(committed.to_vec(), 0, 4).expect("draft");
 
         let (a, p) = (round(&mut ahead, &[35]), round(&mut plain, &[35]));
         assert_eq!(a.tokens, chain[..4]);
@@ -829,16 +953,16 @@ mod tests {
         let (mut eager, mut on) = (spawn(&dir, DraftAhead::Eager), spawn(&dir, DraftAhead::On));
         for t in [&mut eager, &mut on] {
             // Two drafts: ahead goes as far as the guess and two more.
-            assert_eq!(t.draft(vec![35], 2).expect("draft").tokens, chain[..2]);
+            assert_eq!(t.draft(vec![35], 0, 2).expect("draft").tokens, chain[..2]);
             t.settle().expect("settle");
         }
         let came_true = chain[..3].to_vec();
-        let e = eager.draft(came_true.clone(), 4).expect("draft");
+        let e = eager.draft(came_true.clone(), 0, 4).expect("draft");
         assert_eq!((e.tokens.as_slice(), e.ready), (&chain[3..5], 2));
-        let o = on.draft(came_true, 4).expect("draft");
+        let o = on.draft(came_true, 0, 4).expect("draft");
         assert_eq!((o.tokens.as_slice(), o.ready), (&chain[3..7], 2));
         // A round that starts over drafts `k` either way.
-        let e = eager.draft(vec![(chain[5] + 1) % 97], 4).expect("draft");
+        let e = eager.draft(vec![(chain[5] + 1) % 97], 0, 4).expect("draft");
         assert_eq!((e.tokens.len(), e.ready), (4, 0));
     }
 
@@ -851,20 +975,20 @@ mod tests {
         let (mut gated, mut mirror) = (spawn(&dir, DraftAhead::On), spawn(&dir, DraftAhead::Off));
         let mut committed = vec![35];
         for _ in 0..8 {
-            let drafts = gated.draft(committed.clone(), 4).expect("draft").tokens;
-            let with_guess = mirror.draft(committed.clone(), 5).expect("draft").tokens;
+            let drafts = gated.draft(committed.clone(), 0, 4).expect("draft").tokens;
+            let with_guess = mirror.draft(committed.clone(), 0, 5).expect("draft").tokens;
             assert_eq!(drafts, with_guess[..4]);
             // The target rejects the first draft.
             committed = vec![(drafts[0] + 1) % 97];
         }
         gated.settle().expect("settle");
-        let guess = mirror.draft(committed.clone(), 5).expect("draft").tokens;
-        let drafts = gated.draft(committed, 4).expect("draft").tokens;
+        let guess = mirror.draft(committed.clone(), 0, 5).expect("draft").tokens;
+        let drafts = gated.draft(committed, 0, 4).expect("draft").tokens;
         assert_eq!(drafts, guess[..4]);
         gated.settle().expect("settle");
         let mut came_true = drafts.clone();
         came_true.push(guess[4]);
-        let next = gated.draft(came_true, 4).expect("draft");
+        let next = gated.draft(came_true, 0, 4).expect("draft");
         assert_eq!(next.ready, 0, "drafted ahead after eight rejecting rounds");
     }
 
@@ -875,23 +999,84 @@ mod tests {
         let dir = model_dir(6);
         let chain = greedy_chain(&dir, 3);
         let mut t = spawn(&dir, DraftAhead::On);
-        let first = t.logits(vec![35], vec![]).expect("logits");
+        let first = t.logits(vec![35], 0, vec![]).expect("logits");
         assert_eq!(first.len(), 97);
         assert_eq!(argmax(&first), chain[0]);
-        let second = t.logits(vec![], vec![chain[0]]).expect("logits");
+        let second = t.logits(vec![], 0, vec![chain[0]]).expect("logits");
         assert_eq!(argmax(&second), chain[1]);
-        let third = t.logits(vec![], vec![chain[0], chain[1]]).expect("logits");
+        let third = t.logits(vec![], 0, vec![chain[0], chain[1]]).expect("logits");
         assert_eq!(argmax(&third), chain[2]);
         // Back to greedy drafting from the same committed sequence.
-        assert_eq!(t.draft(vec![], 3).expect("draft").tokens, chain);
+        assert_eq!(t.draft(vec![], 0, 3).expect("draft").tokens, chain);
     }
 
     #[test]
     fn drafting_without_a_prompt_is_an_error_not_a_hang() {
         let mut t = spawn_unstarted(&model_dir(2), DraftAhead::On);
-        let err = t.draft(vec![1], 2).expect_err("no prompt yet");
+        let err = t.draft(vec![1], 0, 2).expect_err("no prompt yet");
         assert!(err.to_string().contains("prompt"), "{err}");
         t.begin(&PROMPT).expect("begin");
-        assert_eq!(t.draft(vec![1], 2).expect("draft").tokens.len(), 2);
+        assert_eq!(t.draft(vec![1], 0, 2).expect("draft").tokens.len(), 2);
+    }
+
+    /// The model's guesses are checked on the committed tokens it reads from
+    /// `check_from` on, whether fed in the background or read when drafting: the counts
+    /// are those of one uncached forward over the whole sequence.
+    #[test]
+    fn guesses_are_checked_on_the_committed_tokens_read() {
+        let dir = model_dir(7);
+        // The model's own greedy continuation with every fourth token changed: some
+        // guesses right, some wrong.
+        let mut committed = vec![35];
+        committed.extend(
+            greedy_chain(&dir, 24)
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| if i % 4 == 3 { (t + 1) % 97 } else { t }),
+        );
+        let sequence: Vec<u32> = PROMPT.iter().chain(&committed).copied().collect();
+        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        let mut cache = model.new_cache();
+        let logits = model
+            .forward(
+                &Array::from_slice(&sequence, &[1, sequence.len() as i32]),
+                &mut cache,
+                &[],
+            )
+            .expect("forward")
+            .logits
+            .as_dtype(Dtype::Float32)
+            .expect("f32");
+        logits.eval().expect("eval");
+        let rows = logits.as_slice::<f32>();
+        let vocab = rows.len() / sequence.len();
+        let check_from = PROMPT.len() + 3;
+        let expected = (check_from..sequence.len())
+            .filter(|&p| argmax(&rows[(p - 1) * vocab..p * vocab]) == sequence[p])
+            .count();
+        assert!(
+            expected > 0 && expected < sequence.len() - check_from,
+            "a mix of right and wrong guesses: {expected}"
+        );
+
+        for fed_in_background in [true, false] {
+            let mut t = spawn(&dir, DraftAhead::Off);
+            if fed_in_background {
+                t.feed(committed[..12].to_vec(), 3).expect("a piece");
+                t.feed(committed[12..].to_vec(), 0).expect("the rest");
+                t.draft(Vec::new(), 0, 1).expect("a round");
+            } else {
+                t.draft(committed.clone(), 3, 1).expect("a round");
+            }
+            assert_eq!(
+                t.agreement(),
+                Agreement {
+                    agreed: expected,
+                    checked: sequence.len() - check_from
+                },
+                "fed in the background: {fed_in_background}"
+            );
+            assert_eq!(t.agreement(), Agreement::default(), "counted once");
+        }
     }
 }

@@ -5,7 +5,8 @@ use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{
-    inventory, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, TargetModel, TokenPicker,
+    inventory, Agreement, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, TargetModel,
+    TokenPicker,
 };
 
 /// Finds the continuation of the most recent earlier match of the history's last `n`
@@ -36,6 +37,10 @@ pub fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32
 pub struct NgramDrafter {
     n: usize,
     history: Vec<u32>,
+    /// Whether the commits arriving are plain steps' (after a propose of no drafts),
+    /// whose tokens are checked against what a lookup would have proposed.
+    plain: bool,
+    agreement: Agreement,
 }
 
 impl NgramDrafter {
@@ -44,6 +49,8 @@ impl NgramDrafter {
         Self {
             n: n.max(1),
             history: Vec::new(),
+            plain: false,
+            agreement: Agreement::default(),
         }
     }
 }
@@ -60,6 +67,8 @@ impl Drafter for NgramDrafter {
         _hidden: Option<&Array>,
     ) -> Result<()> {
         self.history = prompt.to_vec();
+        self.plain = false;
+        self.agreement = Agreement::default();
         Ok(())
     }
 
@@ -70,6 +79,10 @@ impl Drafter for NgramDrafter {
         max_k: usize,
         _picker: &mut dyn TokenPicker,
     ) -> Result<Draft> {
+        self.plain = max_k == 0;
+        if self.plain {
+            return Ok(Draft::default());
+        }
         self.history.push(last);
         let tokens = propose(&self.history, self.n, 1, max_k);
         self.history.pop();
@@ -80,8 +93,22 @@ impl Drafter for NgramDrafter {
     }
 
     fn commit(&mut self, verified: &[u32], _hidden: Option<&Array>) -> Result<()> {
-        self.history.extend_from_slice(verified);
+        for &token in verified {
+            // A lookup per plain step: what a round of one draft would have proposed.
+            if self.plain {
+                let guess = propose(&self.history, self.n, 1, 1);
+                self.agreement.add(Agreement {
+                    agreed: usize::from(guess.first() == Some(&token)),
+                    checked: 1,
+                });
+            }
+            self.history.push(token);
+        }
         Ok(())
+    }
+
+    fn agreement(&mut self) -> Option<Agreement> {
+        Some(std::mem::take(&mut self.agreement))
     }
 }
 
@@ -163,5 +190,35 @@ mod tests {
             Vec::<u32>::new(),
             "14 never seen"
         );
+    }
+
+    /// Plain steps' tokens are checked against the lookup that would have drafted them;
+    /// a round that drafted is counted by the engine itself, not again here.
+    #[test]
+    fn plain_steps_report_how_often_a_lookup_would_have_guessed_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let fixtures = dspec_adapters::fixtures::TINY_LLAMA;
+        dspec_adapters::fixtures::write_random_model(dir.path(), fixtures, 1, None).unwrap();
+        let target = dspec_adapters::fixtures::load_dir(dir.path(), &Default::default()).unwrap();
+        let t = target.as_ref();
+        let mut d = NgramDrafter::new(2);
+        d.begin(t, &[1, 2, 3, 4], None).unwrap();
+        assert!(d.propose(t, 1, 0, &mut NoPicker).unwrap().tokens.is_empty());
+        // After 1 2 3 4: no match, so no guess for 1. After ..4 1: "1" was followed by 2
+        // (kept). After ..1 2: "1 2" by 3 (kept). After ..2 3: "2 3" by 4, not 5. After
+        // ..3 5: nothing.
+        d.commit(&[1, 2, 3, 5, 1], None).unwrap();
+        assert_eq!(
+            d.agreement(),
+            Some(Agreement {
+                agreed: 2,
+                checked: 5
+            })
+        );
+        assert_eq!(d.agreement(), Some(Agreement::default()), "counted once");
+        let drafts = d.propose(t, 2, 2, &mut NoPicker).unwrap().tokens;
+        assert_eq!(drafts, vec![3, 5], "the latest match");
+        d.commit(&[2, 3], None).unwrap();
+        assert_eq!(d.agreement(), Some(Agreement::default()), "a drafting round");
     }
 }

@@ -115,6 +115,32 @@ pub trait Drafter: Send {
     /// pieces of a few dozen positions, so a drafter does no work per plain step and may
     /// read each piece while decoding goes on.
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()>;
+
+    /// How often the drafter's next-token guess matched the tokens committed by rounds
+    /// without drafts, counted since the last call. While drafts do not pay, the engine
+    /// decodes plainly; a drafter that checks itself against those tokens (cheaply: a
+    /// lookup, or the logits it computes reading them anyway) tells the engine when
+    /// drafting would pay again without a verify spent to find out. `None`: the drafter
+    /// does not measure it, and the engine probes with a draft now and then instead.
+    /// Counts may arrive late (a drafter reading in the background) but never twice.
+    fn agreement(&mut self) -> Option<Agreement> {
+        None
+    }
+}
+
+/// Of `checked` committed tokens, the drafter would have proposed `agreed` (each guessed
+/// from the tokens before it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Agreement {
+    pub agreed: usize,
+    pub checked: usize,
+}
+
+impl Agreement {
+    pub fn add(&mut self, other: Agreement) {
+        self.agreed += other.agreed;
+        self.checked += other.checked;
+    }
 }
 
 /// User choices that shape how a drafter loads.

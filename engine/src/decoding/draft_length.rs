@@ -10,11 +10,17 @@
 //! plain step, draft(k) and verify(w) are all measured as the generation goes, because
 //! they differ by device and model. The choice never affects *what* is generated
 //! (acceptance is lossless for every k), only how fast.
+//!
+//! While no drafts are made, α would go unmeasured. A drafter that can tell, from the
+//! tokens of those plain steps, how often its next-token guess was right
+//! ([`dspec_plugin_api::Drafter::agreement`]) keeps α measured for free; otherwise an
+//! occasional probe round drafts one token to measure it, at the price of a verify.
 
 /// Exponential forgetting per observation, so the estimates follow a text whose
 /// predictability changes (a code block, then prose).
 const DECAY: f64 = 0.9;
-/// Rounds that draft the maximum before the model is trusted.
+/// Rounds that draft the maximum before the model is trusted, for as long as they keep
+/// drafts: a warm-up round that keeps none has shown what more of them would.
 const WARMUP_ROUNDS: usize = 3;
 /// Every this many rounds, one round tries a neighbour of the best k, so both cost fits
 /// see more than one width and α keeps being measured when k = 0 looks best.
@@ -91,9 +97,14 @@ pub struct DraftLength {
     /// verify of width 1.
     plain: LineFit,
     rounds: usize,
+    /// Whether the warm-up is over: [`WARMUP_ROUNDS`] rounds, or one that kept nothing.
+    warmed_up: bool,
     /// The round at which the next probe is due, and the current spacing of probes.
     next_probe: usize,
     probe_every: usize,
+    /// Whether the drafter measures its agreement during plain steps: then probes are
+    /// needed only to refresh the cost fits, and come at the longest spacing.
+    agreement_measured: bool,
 }
 
 impl DraftLength {
@@ -108,9 +119,32 @@ impl DraftLength {
             verify: LineFit::default(),
             plain: LineFit::default(),
             rounds: 0,
+            warmed_up: false,
             next_probe: PROBE_EVERY,
             probe_every: PROBE_EVERY,
+            agreement_measured: false,
         }
+    }
+
+    /// The drafter reports its agreement during plain steps ([`Self::observe_agreement`]):
+    /// probes stop being needed to measure α.
+    pub fn set_agreement_measured(&mut self) {
+        self.agreement_measured = true;
+    }
+
+    /// Of `checked` tokens committed by plain steps, the drafter's next-token guess
+    /// matched `agreed`: as many observations of a draft kept or rejected, without a
+    /// verify spent on them. Weighted as that many rounds' worth of forgetting.
+    pub fn observe_agreement(&mut self, agreed: usize, checked: usize) {
+        if checked == 0 {
+            return;
+        }
+        let agreed = agreed.min(checked);
+        let forget = DECAY.powi(checked.min(i32::MAX as usize) as i32);
+        // Each new observation's mean weight under the same forgetting.
+        let weight = (1.0 - forget) / (1.0 - DECAY) / checked as f64;
+        self.kept = self.kept * forget + agreed as f64 * weight;
+        self.rejected = self.rejected * forget + (checked - agreed) as f64 * weight;
     }
 
     /// The measured chance that a draft is kept (Laplace-smoothed).
@@ -145,7 +179,7 @@ impl DraftLength {
     /// in flight is observed: the choice then lags one observation behind.
     pub fn next(&self, limit: usize) -> usize {
         let cap = self.max.min(limit);
-        if !self.adaptive || self.rounds < WARMUP_ROUNDS {
+        if !self.adaptive || !self.warmed_up {
             return cap;
         }
         // What drafting is weighed against: plain decoding's own step, measured once.
@@ -154,6 +188,11 @@ impl DraftLength {
         }
         let best = self.best(cap);
         if self.rounds < self.next_probe {
+            return best;
+        }
+        // With α measured by the drafter, a probe only refreshes the cost fits, which a
+        // probe at the longest spacing does well enough.
+        if best == 0 && self.agreement_measured && self.probe_every < PROBE_EVERY_MAX {
             return best;
         }
         // A probe: one step up when there is room (k = 0 becomes 1, so α stays
@@ -175,6 +214,9 @@ impl DraftLength {
         verify_seconds: f64,
     ) {
         self.rounds += 1;
+        if self.rounds >= WARMUP_ROUNDS || (drafted > 0 && kept == 0) {
+            self.warmed_up = true;
+        }
         if drafted > 0 {
             self.kept = self.kept * DECAY + kept as f64;
             self.rejected = self.rejected * DECAY + f64::from(u8::from(kept < drafted));
@@ -184,11 +226,13 @@ impl DraftLength {
             self.plain.observe(1.0, verify_seconds);
         }
         if self.rounds > self.next_probe {
-            // The probe is in: space the next one out while drafting still does not pay.
-            self.probe_every = if self.best(self.max) == 0 {
-                (self.probe_every * 2).min(PROBE_EVERY_MAX)
-            } else {
-                PROBE_EVERY
+            // The probe is in: space the next one out while drafting still does not pay
+            // (at once to the longest spacing when α is measured without probes, which
+            // then only refresh the cost fits).
+            self.probe_every = match (self.best(self.max), self.agreement_measured) {
+                (0, true) => PROBE_EVERY_MAX,
+                (0, false) => (self.probe_every * 2).min(PROBE_EVERY_MAX),
+                _ => PROBE_EVERY,
             };
             self.next_probe = self.rounds + self.probe_every;
         }
@@ -322,6 +366,82 @@ mod tests {
         let steep = simulate(8, 120, 0.7, 0.0, |w| 0.002 + 0.01 * w as f64);
         assert_eq!(most_common(&flat[40..]), 8, "{flat:?}");
         assert!(most_common(&steep[40..]) <= 2, "{steep:?}");
+    }
+
+    /// Rounds of a drafter that reports its agreement on plain steps' tokens: `agree(i)`
+    /// is the chance its guess is right at round `i`, and drafts are kept at that chance.
+    /// Drafting costs `draft_s` a token, a verify `verify(w)`, a plain step `plain_s`.
+    fn simulate_with_agreement(
+        rounds: usize,
+        agree: impl Fn(usize) -> f64,
+        draft_s: f64,
+        verify: impl Fn(usize) -> f64,
+        plain_s: f64,
+    ) -> Vec<usize> {
+        let mut control = DraftLength::new(8, true);
+        control.set_agreement_measured();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut uniform = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut chosen = Vec::new();
+        for i in 0..rounds {
+            let k = control.next(usize::MAX);
+            chosen.push(k);
+            let alpha = agree(i);
+            if k == 0 {
+                control.observe(0, 0, 0.0, plain_s);
+                control.observe_agreement(usize::from(uniform() < alpha), 1);
+            } else {
+                let kept = (0..k).take_while(|_| uniform() < alpha).count();
+                control.observe(k, kept, draft_s * k as f64, verify(k + 1));
+            }
+        }
+        chosen
+    }
+
+    /// Drafts that are never kept, from a drafter that measures its agreement: one
+    /// warm-up round that keeps nothing, then plain steps without a single probe for as
+    /// long as probes are spaced at most (α is known without them).
+    #[test]
+    fn measured_agreement_replaces_the_probes() {
+        let verify = |w: usize| 0.01 + 0.0001 * w as f64;
+        let ks = simulate_with_agreement(PROBE_EVERY_MAX, |_| 0.0, 0.005, verify, 0.004);
+        assert_eq!(ks[0], 8, "a warm-up round drafts the maximum: {ks:?}");
+        assert!(ks[1..].iter().all(|&k| k == 0), "{ks:?}");
+        // Without agreement the same drafter is probed again and again.
+        let probed = simulate(8, PROBE_EVERY_MAX, 0.0, 0.005, verify);
+        assert!(
+            probed[1..].iter().filter(|&&k| k > 0).count() >= 3,
+            "{probed:?}"
+        );
+        // Probes still come at the longest spacing, to refresh the cost fits.
+        let long = simulate_with_agreement(3 * PROBE_EVERY_MAX, |_| 0.0, 0.005, verify, 0.004);
+        let probes = long[1..].iter().filter(|&&k| k > 0).count();
+        assert!((1..=3).contains(&probes), "{probes} probes: {long:?}");
+    }
+
+    /// A text that turns predictable while decoding plainly: the agreement the drafter
+    /// measures brings drafting back within a few commits, long before a probe is due.
+    #[test]
+    fn rising_agreement_brings_drafting_back_without_a_probe() {
+        let verify = |_| 0.005;
+        let ks = simulate_with_agreement(
+            200,
+            |i| if i < 60 { 0.0 } else { 0.95 },
+            0.0001,
+            verify,
+            0.004,
+        );
+        // (Right after the warm-up, with free drafts and a verify barely dearer than a
+        // plain step, one short round can still look worth it.)
+        assert!(ks[5..60].iter().all(|&k| k == 0), "{ks:?}");
+        let back = ks[60..].iter().position(|&k| k > 0).map(|i| i + 60);
+        assert!(back.is_some_and(|i| i < 80), "drafting resumed at {back:?}: {ks:?}");
+        assert_eq!(most_common(&ks[100..]), 8, "{ks:?}");
     }
 
     #[test]

@@ -468,6 +468,7 @@ impl Rounds<'_, '_, '_> {
                         self.keep_hidden(hidden.as_ref());
                         self.drafter
                             .commit(&std::mem::take(&mut fed), hidden.as_ref())?;
+                        self.hear_agreement();
                     }
                     fed.push(token);
                     current = step;
@@ -478,7 +479,16 @@ impl Rounds<'_, '_, '_> {
         let hidden = concat_steps(hidden)?;
         self.keep_hidden(hidden.as_ref());
         self.drafter.commit(&fed, hidden.as_ref())?;
+        self.hear_agreement();
         Ok(outcome)
+    }
+
+    /// What the drafter found of its own guesses on plain steps' tokens so far: the
+    /// acceptance the controller weighs drafting by, measured without drafting.
+    fn hear_agreement(&mut self) {
+        if let Some(a) = self.drafter.agreement() {
+            self.length.observe_agreement(a.agreed, a.checked);
+        }
     }
 
     /// Keeps the states told to the drafter when a prompt cache wants them.
@@ -635,13 +645,17 @@ pub fn generate_speculative_serving(
         (Some(_), Some(h)) => Some(vec![h.clone()]),
         _ => None,
     };
+    let mut length = DraftLength::new(max_draft, adaptive);
+    if drafter.agreement().is_some() {
+        length.set_agreement_measured();
+    }
     let mut rounds = Rounds {
         model,
         cache,
         taps,
         drafter,
         sampler,
-        length: DraftLength::new(max_draft, adaptive),
+        length,
         committer,
         trace,
         tally: Tally::new(max_draft),
