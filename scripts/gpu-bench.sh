@@ -4,7 +4,7 @@
 #   .gpu/            MLX's CUDA libmlx (../shared/gpu/prepare.sh)
 #   .gpu/bench/      dspec.xz (a stripped, xz-compressed release binary) and qwen05/,
 #                    qwen15/ (config.json + tokenizer files of Qwen2.5-Coder 0.5B/1.5B)
-#   .whl/            the mlx==0.32.2 (cp312) and mlx-lm==0.32.2 wheels
+#   .gpu/py/         the mlx==0.32.2 (cp312) and mlx-lm==0.32.2 wheels
 # Models: $MODELS/qwen15 and $MODELS/qwen05 (default /tmp/models). Where they are
 # missing, weights are random, of the real shapes, written on the GPU by
 # random_weights.py: decode speed depends on shapes, not values. Random models agree
@@ -19,7 +19,7 @@ OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
 eval "$(bash .gpu/setup.sh)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .gpu/py/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
 /tmp/dspec --version | tee "$OUT/bench.log"

@@ -4,7 +4,7 @@
 # come in 60 MB parts over back-to-back runs, the way ../shared/gpu/chunk.sh cuts them:
 #   here:   ../shared/gpu/chunk.sh ~/.cache/dspec/models/qwen05.gguf qwen05.gguf   (and qwen15)
 #   there:  one run per part, carrying [".gpu/chunks/NAME/partNN"] (the parts accumulate while
-#           the machine stays warm), after one run that carried .gpu and .whl.
+#           the machine stays warm), after one run that carried .gpu (with the wheels in .gpu/py).
 # This joins the parts, checks each file's sha256 (fetch-models.sh --sha), converts both
 # with `dspec convert` (bf16) and runs scripts/gpu-report.sh on them.
 # Usage: bash scripts/gpu-real.sh [--check] [ARGS for bench_gpu.py...]

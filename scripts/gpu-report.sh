@@ -3,7 +3,7 @@
 #   .gpu/            MLX's CUDA libmlx (../shared/gpu/prepare.sh), and .gpu/bench/ with
 #                    dspec.xz (a stripped, xz-compressed release build), tokenizer.json.xz
 #                    and config dirs qwen05/, qwen15/, qwen7b/ (config.json, tokenizer_config.json)
-#   .whl/            the mlx==0.32.2 (cp312) and mlx-lm==0.32.2 wheels
+#   .gpu/py/         the mlx==0.32.2 (cp312) and mlx-lm==0.32.2 wheels
 # Usage: bash scripts/gpu-report.sh TARGET_DIR DRAFT_DIR [ARGS for gpu_report.py...]
 #        bash scripts/gpu-report.sh --random NAME [ARGS...]   random weights of .gpu/bench/NAME's
 #            shapes as the target, of qwen05's as the draft (speed depends on shapes, not values)
@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/gpu-report}
 mkdir -p "$OUT"
 eval "$(bash .gpu/setup.sh)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .gpu/py/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 [ -x /tmp/dspec ] || { xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec; }
 /tmp/dspec --version

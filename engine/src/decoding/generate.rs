@@ -138,11 +138,20 @@ pub fn prefill_with_taps(
     // All but the last token fill the cache (and the taps) only: their logits are never
     // evaluated, so the vocabulary projection of the prompt is never computed.
     let mut hidden = Vec::new();
-    for chunk in head.chunks(PREFILL_CHUNK) {
+    let chunks = head.len().div_ceil(PREFILL_CHUNK);
+    for (i, chunk) in head.chunks(PREFILL_CHUNK).enumerate() {
         let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
         let out = model.forward(&tokens, cache, taps)?;
-        // Evaluate per chunk so the graph (and activations) of a long prompt stay small.
-        mlx_rs::transforms::eval(out.hidden.iter().chain(cache.state()))?;
+        let state = out.hidden.iter().chain(cache.state());
+        if i + 1 < chunks {
+            // Evaluate per chunk so the graph (and activations) of a long prompt stay small.
+            mlx_rs::transforms::eval(state)?;
+        } else {
+            // The last chunk computes while the host builds the final step's graph (the
+            // arrays are not held here, so the cache's buffers can still be updated in
+            // place).
+            mlx_rs::transforms::async_eval(state)?;
+        }
         hidden.extend(out.hidden);
     }
     // The last prompt token goes through the one-token step, as every later token does
