@@ -617,7 +617,16 @@ impl Chain {
         if let Some(room) = self.max_new_tokens {
             reserve_for_generation(&mut self.cache, prompt.len() + room);
         }
-        for chunk in prompt[kept..].chunks(PREFILL_CHUNK) {
+        // After a kept prefix the rest is a continuation over the cache: read in pieces
+        // that attend over the whole buffer, as catching up does, where a forward of its
+        // own length would build an attention plan of its own first (on CUDA, in the way
+        // of the first round's drafts).
+        let piece = match kept {
+            0 => PREFILL_CHUNK,
+            _ if whole_buffer_pays() => WHOLE_BUFFER_MAX_TOKENS as usize,
+            _ => PREFILL_CHUNK,
+        };
+        for chunk in prompt[kept..].chunks(piece) {
             let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
             // Only the cache is wanted: the logits stay unevaluated.
             self.model.forward(&tokens, &mut self.cache, &[])?;
