@@ -240,6 +240,49 @@ impl Group {
         self.all_sum(&own)
     }
 
+    /// Rank 0's `bytes` on every rank (what the other ranks pass is ignored). The length
+    /// goes first, as a fixed-size array the other ranks can receive without knowing
+    /// anything, then the bytes; each is a sum of rank 0's values and the others' zeros,
+    /// so the bytes arrive exact. Every rank must call it at the same point.
+    pub fn broadcast_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>, Exception> {
+        if self.size() == 1 {
+            return Ok(bytes.to_vec());
+        }
+        let len = bytes.len() as u64;
+        let halves =
+            self.broadcast_from_root(&Array::from_slice(&[len as u32, (len >> 32) as u32], &[2]))?;
+        halves.eval()?;
+        let halves = read::<u32>(&halves)?;
+        let len = halves[0] as u64 | (halves[1] as u64) << 32;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let Ok(n) = i32::try_from(len) else {
+            return Err(Exception::custom(format!(
+                "a broadcast from rank 0 announced {len} bytes, more than one MLX array \
+                 holds: the ranks are out of step (each took a different collective for this one)"
+            )));
+        };
+        let own = match self.rank() {
+            0 => Array::from_slice(bytes, &[n]),
+            _ => mlx_rs::ops::zeros::<u8>(&[n])?,
+        };
+        let summed = self.all_sum(&own)?;
+        summed.eval()?;
+        Ok(read::<u8>(&summed)?.to_vec())
+    }
+
+    /// Whether `flag` is true on any rank, the same answer on every rank (a one-element
+    /// all-sum, evaluated). Every rank must call it at the same point.
+    pub fn any(&self, flag: bool) -> Result<bool, Exception> {
+        if self.size() == 1 {
+            return Ok(flag);
+        }
+        let summed = self.all_sum(&Array::from_slice(&[flag as i32], &[1]))?;
+        summed.eval()?;
+        Ok(read::<i32>(&summed)?[0] > 0)
+    }
+
     /// Waits for every rank to get here (a one-element all-sum, evaluated).
     pub fn barrier(&self) -> Result<(), Exception> {
         if self.size() == 1 {
@@ -247,6 +290,12 @@ impl Group {
         }
         self.all_sum(&Array::from_slice(&[1i32], &[1]))?.eval()
     }
+}
+
+/// An evaluated array's elements.
+fn read<T: mlx_rs::ArrayElement>(x: &Array) -> Result<&[T], Exception> {
+    x.try_as_slice::<T>()
+        .map_err(|e| Exception::custom(format!("reading a collective's result: {e}")))
 }
 
 #[cfg(test)]
@@ -277,6 +326,8 @@ mod tests {
         assert_eq!(summed.as_slice::<f32>(), &[1.5, -2.0]);
         let gathered = group.all_gather(&x).expect("all_gather");
         assert_eq!(gathered.shape(), &[2]);
+        assert_eq!(group.broadcast_bytes(b"job").expect("bytes"), b"job");
+        assert!(group.any(true).expect("any") && !group.any(false).expect("any"));
         // mlx-rs's own error reporting still works after the handler swap.
         let bad = mlx_rs::ops::reshape(&x, &[3]).expect_err("bad reshape");
         assert!(!bad.what().is_empty());

@@ -116,6 +116,21 @@ fn run_collectives(group: &Group) {
         .broadcast_from_root(&Array::from_slice(&[rank as u32 + 41], &[1]))
         .expect("broadcast");
     assert_eq!(root.as_slice::<u32>(), &[41]);
+    // Rank 0's message reaches every rank whatever the others pass, whether it is
+    // empty, shorter than the group (MLX's ring pads those) or long.
+    let long: Vec<u8> = (0..100_003u32).map(|i| (i * 7 % 251) as u8).collect();
+    for message in [&b""[..], &b"a"[..], br#"{"job": [1, 2, 3]}"#, &long] {
+        let own = match rank {
+            0 => message.to_vec(),
+            _ => vec![0xff; rank as usize * 5],
+        };
+        let got = group.broadcast_bytes(&own).expect("broadcast_bytes");
+        assert_eq!(got.len(), message.len());
+        assert!(got == message, "rank {rank} got another message");
+    }
+    // One rank's flag is every rank's answer.
+    assert!(group.any(rank == size - 1).expect("any"));
+    assert!(!group.any(false).expect("any"));
     // Around the ring: each rank sends to its right neighbour and receives from its left.
     let right = (rank + 1) % size;
     let left = (rank + size - 1) % size;

@@ -1,20 +1,26 @@
 //! `dspec serve`: loads a target and its drafter and serves them over an
-//! OpenAI-compatible HTTP API (see the engine's `serve` module), speculation always on.
+//! OpenAI-compatible HTTP API (see the engine's `serve` module), speculation always on;
+//! alone, or as one rank of an MLX distributed group, where rank 0 serves and the other
+//! ranks follow its jobs (see the engine's `serve::group`).
 
 use std::io::IsTerminal;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
 
 use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::prompt_cache::PromptCache;
-use dspec_engine::loading::load_model;
+use dspec_engine::loading::distributed::Distributed;
+use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
+use dspec_engine::serve::group::{check_settings, follow as follow_jobs};
 use dspec_engine::serve::worker::Engine;
 use dspec_engine::serve::{run as serve, ServerConfig};
 use dspec_engine::EngineError;
+use dspec_plugin_api::AdapterRegistry;
 
-use super::args::{parse_byte_size, DraftTuning, ModelArgs, PluginArgs};
+use super::args::{parse_byte_size, DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -52,24 +58,32 @@ pub struct ServeArgs {
     /// or GB suffix; 0 turns the prompt cache off.
     #[arg(long, value_name = "SIZE", default_value = "2GB", value_parser = parse_byte_size)]
     prompt_cache_bytes: u64,
+    #[command(flatten)]
+    distributed: DistributedArgs,
 }
 
 pub fn run(args: ServeArgs, plugins: &PluginArgs) -> Result<()> {
-    // The other ranks would have to follow every request rank 0 takes (docs/distributed.md).
-    if dspec_engine::loading::distributed::launch_environment()?.is_some_and(|l| l.size != Some(1))
-    {
-        anyhow::bail!(
-            "dspec serve runs on one process, and MLX's distributed environment (MLX_RANK, ...) \
-             is set: serving a target split across a group is not supported yet; start \
-             `dspec serve` without mlx.launch, or use `dspec generate`/`bench` in the group"
-        );
+    // First: joining starts MLX's backend, which must happen before any thread uses MLX.
+    match args.distributed.join()? {
+        None => serve_http(args, plugins, None),
+        Some(group) => {
+            let group = Arc::new(group);
+            let served = match group.is_root() {
+                true => serve_http(args, plugins, Some(group.clone())),
+                false => follow(args, plugins, &group),
+            };
+            served.with_context(|| group.describe_failure())
+        }
     }
-    let backend = Backend::detect();
-    let options = args.model.load_options(backend);
-    let registry = plugins.registry()?;
-    let max_tokens = args.max_tokens as usize;
-    let max_draft = args.tuning.max_draft;
-    let prompt_cache_bytes = usize::try_from(args.prompt_cache_bytes).unwrap_or(usize::MAX);
+}
+
+/// Rank 0, or a server alone: loads on the model thread and serves HTTP. In a group, the
+/// model thread sends the other ranks every job and, at the end, tells them to stop.
+fn serve_http(
+    args: ServeArgs,
+    plugins: &PluginArgs,
+    group: Option<Arc<Distributed>>,
+) -> Result<()> {
     let config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -80,30 +94,87 @@ pub fn run(args: ServeArgs, plugins: &PluginArgs) -> Result<()> {
         queue_size: args.queue_size as usize,
         max_body_bytes: args.max_body_bytes as usize,
     };
+    let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal();
     // Runs on the model thread: the arrays it makes must stay there.
     let load = Box::new(move || -> Result<Engine, EngineError> {
-        let loaded = load_model(&args.model.target, &registry, &options, show_progress)?;
-        let drafter_options = args
-            .tuning
-            .options(loaded.model.info().dtype, max_tokens)
-            .map_err(|e| EngineError::Invalid(format!("{e:#}")))?;
-        let drafter = load_drafter(
-            &args.drafter,
-            &loaded,
-            &registry,
-            &options,
-            &drafter_options,
-        )
-        .map_err(|e| EngineError::Invalid(format!("loading --drafter {}: {e}", args.drafter)))?;
-        Ok(Engine {
-            loaded,
-            drafter,
-            max_draft: max_draft.max,
-            adaptive: max_draft.adaptive,
-            default_max_tokens: max_tokens,
-            prompt_cache: PromptCache::new(prompt_cache_bytes),
-        })
+        load_engine(args, &registry, group, show_progress)
+            .map_err(|e| EngineError::Invalid(format!("{e:#}")))
     });
     serve(config, load).context("dspec serve")
+}
+
+/// A rank other than 0: loads its share of the target and the drafter, then generates
+/// every job rank 0 sends, in step with it, until rank 0 stops.
+fn follow(args: ServeArgs, plugins: &PluginArgs, group: &Arc<Distributed>) -> Result<()> {
+    let registry = plugins.registry()?;
+    let mut engine = load_engine(args, &registry, Some(group.clone()), false)?;
+    ignore_interrupts();
+    eprintln!(
+        "[dspec] {}: following rank 0, which serves HTTP",
+        group.describe()
+    );
+    follow_jobs(&mut engine, group)?;
+    // Every rank ends here only once all have stopped.
+    group.finish()?;
+    eprintln!("[dspec] {}: rank 0 stopped serving", group.describe());
+    Ok(())
+}
+
+/// A follower leaves Ctrl-C to rank 0: in a terminal it reaches every rank `mlx.launch`
+/// started there, and a follower that died of it would turn rank 0's graceful stop (which
+/// stops the followers in turn) into an error about a lost rank. SIGTERM still ends a
+/// follower at once, and rank 0 with it, naming it.
+fn ignore_interrupts() {
+    #[cfg(unix)]
+    // SAFETY: sets the disposition of SIGINT to "ignore", which involves no handler code.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+    }
+}
+
+/// The target (this rank's share of it in a group) and the drafter, every setting the
+/// ranks must share checked once all have loaded.
+fn load_engine(
+    mut args: ServeArgs,
+    registry: &AdapterRegistry,
+    group: Option<Arc<Distributed>>,
+    show_progress: bool,
+) -> Result<Engine> {
+    if group.is_some() {
+        args.tuning.for_group()?;
+    }
+    let backend = Backend::detect();
+    let options = args.model.load_options(backend);
+    let max_tokens = args.max_tokens as usize;
+    let loaded = match group.as_deref() {
+        None => load_model(&args.model.target, registry, &options, show_progress)?,
+        Some(g) => load_model_in_group(
+            &args.model.target,
+            registry,
+            &options,
+            g.group(),
+            show_progress,
+        )?,
+    };
+    let drafter_options = args.tuning.options(loaded.model.info().dtype, max_tokens)?;
+    let drafter = load_drafter(&args.drafter, &loaded, registry, &options, &drafter_options)
+        .with_context(|| format!("loading --drafter {}", args.drafter))?;
+    let engine = Engine {
+        loaded,
+        drafter,
+        max_draft: args.tuning.max_draft.max,
+        adaptive: args.tuning.max_draft.adaptive,
+        default_max_tokens: max_tokens,
+        prompt_cache: PromptCache::new(
+            usize::try_from(args.prompt_cache_bytes).unwrap_or(usize::MAX),
+        ),
+        group,
+    };
+    if let Some(g) = engine.group.as_deref() {
+        // Loaded before the ranks meet: loading takes each rank its own time.
+        g.rendezvous()?;
+        check_settings(g, &engine)?;
+    }
+    Ok(engine)
 }

@@ -21,7 +21,8 @@ use crate::text::tokenizer::TextTokenizer;
 /// step as mlx-lm's default `prefill_step_size`, so long prompts round as they do there.
 const PREFILL_CHUNK: usize = 2048;
 
-#[derive(Debug, Clone)]
+/// Serialized when rank 0 of a serving group sends a job to the other ranks.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct GenerationConfig {
     pub max_tokens: usize,
     pub sampling: SamplingParams,

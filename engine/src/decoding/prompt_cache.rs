@@ -75,12 +75,15 @@ impl PromptCache {
         }
     }
 
-    /// Takes out the entry that serves `prompt` best: the one sharing the longest prefix
-    /// with it that its cache can be rolled back to, cut to that prefix. At least the
-    /// prompt's last token is left to read (its logits start the generation). With
-    /// `with_hidden`, only entries holding hidden states that far count. `None` when no
-    /// entry shares a token with the prompt.
-    pub fn take(&mut self, prompt: &[u32], with_hidden: bool) -> Option<Reused> {
+    /// How many of `prompt`'s tokens [`PromptCache::take`] would reuse (0: none), without
+    /// taking anything: what the ranks of a serving group compare before each request.
+    pub fn reusable(&self, prompt: &[u32], with_hidden: bool) -> usize {
+        self.best(prompt, with_hidden)
+            .map_or(0, |(_, reused)| reused)
+    }
+
+    /// The entry that serves `prompt` best and the prefix it serves (see `take`).
+    fn best(&self, prompt: &[u32], with_hidden: bool) -> Option<(usize, usize)> {
         let usable = |e: &Entry| -> usize {
             let mut n = common_prefix(&e.tokens, prompt).min(prompt.len().saturating_sub(1));
             if with_hidden {
@@ -92,15 +95,21 @@ impl PromptCache {
             }
             n
         };
-        let (index, reused) = self
-            .entries
+        self.entries
             .iter()
             .enumerate()
             .map(|(i, e)| (i, usable(e)))
-            .max_by_key(|&(i, n)| (n, self.entries[i].used))?;
-        if reused == 0 {
-            return None;
-        }
+            .max_by_key(|&(i, n)| (n, self.entries[i].used))
+            .filter(|&(_, n)| n > 0)
+    }
+
+    /// Takes out the entry that serves `prompt` best: the one sharing the longest prefix
+    /// with it that its cache can be rolled back to, cut to that prefix. At least the
+    /// prompt's last token is left to read (its logits start the generation). With
+    /// `with_hidden`, only entries holding hidden states that far count. `None` when no
+    /// entry shares a token with the prompt.
+    pub fn take(&mut self, prompt: &[u32], with_hidden: bool) -> Option<Reused> {
+        let (index, reused) = self.best(prompt, with_hidden)?;
         let mut entry = self.entries.swap_remove(index);
         // Checked by `usable`; a failure here leaves the entry dropped, never wrong.
         entry.cache.trim(entry.tokens.len() - reused).ok()?;
@@ -185,11 +194,13 @@ mod tests {
         let mut store = PromptCache::new(1 << 20);
         store.put(vec![1, 2, 3, 4], cache_of(4), None);
         store.put(vec![1, 9, 9], cache_of(3), None);
+        assert_eq!(store.reusable(&[1, 2, 3, 7, 8], false), 3);
         let got = store.take(&[1, 2, 3, 7, 8], false).unwrap();
         assert_eq!(got.reused, 3);
         assert_eq!(got.cache.offset(), 3);
         // Taken out: the other entry is all that is left.
         assert_eq!(store.usage().entries, 1);
+        assert_eq!(store.reusable(&[5, 6], false), 0);
         assert!(store.take(&[5, 6], false).is_none());
     }
 

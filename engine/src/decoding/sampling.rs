@@ -11,7 +11,8 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::error::EngineError;
 
-#[derive(Debug, Clone, PartialEq)]
+/// Serialized when rank 0 of a serving group sends a job to the other ranks.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 (or less) means greedy.
     pub temperature: f32,

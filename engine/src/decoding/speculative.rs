@@ -135,9 +135,11 @@ pub struct Speculation<'a> {
 /// What a long-lived caller (a server) adds to a generation.
 #[derive(Default)]
 pub struct ServingOptions<'a> {
-    /// Asked after every committed token: true ends the generation within one round,
-    /// with [`StopReason::Cancelled`] (a server's client went away).
-    pub cancelled: Option<&'a dyn Fn() -> bool>,
+    /// Asked once per round, after the round's tokens are committed, unless they ended
+    /// the generation: true ends it there, with [`StopReason::Cancelled`] (a server's
+    /// client went away). Where it is asked depends only on the tokens, so the ranks of
+    /// a group ask at the same rounds and may answer with a collective.
+    pub cancelled: Option<&'a CancelCheck<'a>>,
     /// Caches of earlier sequences: the prompt's longest cached prefix is not read
     /// again, and the finished sequence's cache is stored for the next request.
     pub prompt_cache: Option<&'a mut PromptCache>,
@@ -148,6 +150,9 @@ pub struct ServingOptions<'a> {
     /// round's text went to `on_text`.
     pub on_logprobs: Option<&'a mut LogprobsCallback<'a>>,
 }
+
+/// Whether to stop; an error (a collective that failed) fails the generation.
+pub type CancelCheck<'a> = dyn Fn() -> Result<bool, EngineError> + 'a;
 
 /// Receives one round's log-probabilities.
 pub type LogprobsCallback<'a> = dyn FnMut(&[TokenLogprob]) + 'a;
@@ -182,9 +187,8 @@ struct Committer<'a> {
     tokens: Vec<u32>,
     config: &'a GenerationConfig,
     context_left: usize,
-    /// Asked after every committed token, so a caller (a server whose client left)
-    /// stops a generation within one round.
-    cancelled: &'a dyn Fn() -> bool,
+    /// Asked once per round (see [`ServingOptions::cancelled`]).
+    cancelled: &'a CancelCheck<'a>,
 }
 
 impl Committer<'_> {
@@ -203,10 +207,16 @@ impl Committer<'_> {
         if self.tokens.len() >= self.context_left {
             return Ok(Some(StopReason::ContextLength));
         }
-        if (self.cancelled)() {
-            return Ok(Some(StopReason::Cancelled));
-        }
         Ok(None)
+    }
+
+    /// Ends a round whose tokens stopped the generation or not (`stop`): one that goes
+    /// on asks whether it is cancelled.
+    fn end_round(&self, stop: Option<StopReason>) -> Result<Option<StopReason>, EngineError> {
+        if stop.is_some() {
+            return Ok(stop);
+        }
+        Ok((self.cancelled)()?.then_some(StopReason::Cancelled))
     }
 }
 
@@ -369,6 +379,7 @@ impl Rounds<'_, '_, '_> {
         if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
             sink.keep(entries, committed, stop);
         }
+        let stop = self.committer.end_round(stop)?;
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
         // token to token.
@@ -451,6 +462,7 @@ impl Rounds<'_, '_, '_> {
             if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
                 sink.keep(entries, 1, stop);
             }
+            let stop = self.committer.end_round(stop)?;
             match (stop, queued) {
                 (Some(stop), queued) => {
                     // A step queued past the end: let it finish, so nothing is in
@@ -553,8 +565,8 @@ pub fn generate_speculative_serving(
         adaptive,
         trace,
     } = speculation;
-    let never = || false;
-    let cancelled: &dyn Fn() -> bool = options.cancelled.unwrap_or(&never);
+    let never = || Ok(false);
+    let cancelled: &CancelCheck = options.cancelled.unwrap_or(&never);
     let mut prompt_cache = options.prompt_cache;
     if max_draft == 0 {
         return Err(EngineError::Invalid(
@@ -641,6 +653,7 @@ pub fn generate_speculative_serving(
     if let (Some(sink), Some(entries)) = (logprobs.as_mut(), first_entries) {
         sink.keep(entries, 1, stop);
     }
+    stop = committer.end_round(stop)?;
     let kept_hidden = match (&prompt_cache, &prompt_hidden) {
         (Some(_), Some(h)) => Some(vec![h.clone()]),
         _ => None,

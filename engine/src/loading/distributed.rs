@@ -207,6 +207,19 @@ impl Drop for WatchGuard {
     }
 }
 
+/// Watches the ring's connections, but not progress, while it lives (see
+/// [`Distributed::idle`]).
+pub struct IdleGuard {
+    watch: Arc<Watch>,
+}
+
+impl Drop for IdleGuard {
+    fn drop(&mut self) {
+        self.watch.armed.store(false, Ordering::SeqCst);
+        self.watch.patient.store(false, Ordering::SeqCst);
+    }
+}
+
 /// The watchdog thread: while armed, a rank that builds no collective for `timeout` is
 /// waiting on a peer that is not coming (stopped, hung, or cut off without the TCP
 /// connection closing, where MLX's ring would wait forever); it exits with an error.
@@ -293,17 +306,38 @@ impl Distributed {
         }
     }
 
+    /// Watches for a peer that dies, but not for progress, until the guard drops: around
+    /// a wait that may last as long as a server has no request, and which a follower
+    /// spends without building a collective.
+    pub fn idle(&self) -> IdleGuard {
+        self.watch.patient.store(true, Ordering::SeqCst);
+        self.watch.armed.store(true, Ordering::SeqCst);
+        IdleGuard {
+            watch: self.watch.clone(),
+        }
+    }
+
+    /// Sleeps until rank 0 starts the next collective, however long that takes: a
+    /// follower of `dspec serve` waiting for the next request. MLX 0.32's ring backend
+    /// waits for a transfer by retrying a non-blocking `recv` in a loop (`ring.cpp`'s
+    /// `SocketThread`), so a rank that waited inside the collective would keep a core
+    /// busy for as long as the server is idle. Instead this waits in poll(2) on the
+    /// ring's connections until a neighbour's first bytes arrive (rank 0 starting the
+    /// collective, or a follower it woke passing them on) or a connection closes (which
+    /// the watch reports), and reads nothing: the collective that follows reads them.
+    /// Without the ring's connections (other backends, other systems) it returns at
+    /// once, and the wait happens inside the collective, as the backend waits.
+    pub fn wait_for_root(&self) {
+        wait_readable(&self.watch.connections);
+    }
+
     /// Waits for every rank to be ready (done loading, which takes as long as the
     /// slowest disk): under the watch of the ring's connections, so a rank that died
     /// while loading is reported, but not under the timeout, which is for steps that
     /// the ranks compute together.
     pub fn rendezvous(&self) -> Result<(), EngineError> {
-        self.watch.patient.store(true, Ordering::SeqCst);
-        let watching = self.watch();
-        let met = self.group.barrier();
-        drop(watching);
-        self.watch.patient.store(false, Ordering::SeqCst);
-        Ok(met?)
+        let _idle = self.idle();
+        Ok(self.group.barrier()?)
     }
 
     /// The sampling seed every rank uses: the one given, else one rank 0 draws and
@@ -479,6 +513,36 @@ fn connection_is_open(fd: i32) -> bool {
 fn connection_is_open(_fd: i32) -> bool {
     true
 }
+
+/// Blocks until one of `connections` has bytes to read or has closed; at once when there
+/// are none.
+#[cfg(target_os = "linux")]
+fn wait_readable(connections: &[(i32, i32, String)]) {
+    let mut fds: Vec<libc::pollfd> = connections
+        .iter()
+        .map(|(fd, _, _)| libc::pollfd {
+            fd: *fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    if fds.is_empty() {
+        return;
+    }
+    loop {
+        // SAFETY: poll reads and writes `fds.len()` entries of `fds`, which it owns for
+        // the call; the descriptors are only watched, never read.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        let interrupted =
+            ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
+        if !interrupted {
+            return;
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn wait_readable(_connections: &[(i32, i32, String)]) {}
 
 /// 64-bit FNV-1a: the same on every platform and build, unlike std's hasher.
 fn fnv1a(bytes: &[u8]) -> u64 {

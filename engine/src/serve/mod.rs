@@ -12,6 +12,9 @@
 //! cancel flag; the worker checks it after every committed token, so the model is free
 //! again within one speculative round, and `/health` never waits on the model.
 //!
+//! Across an MLX distributed group ([`group`]), rank 0 runs all of this; before each job
+//! it generates, its worker sends the job to the other ranks, which generate it in step.
+//!
 //! Continuous batching later: the worker's loop is the only place that decides what
 //! runs. It would drain every queued job into a set of live sequences and advance them
 //! together, one batched verify forward per round over all their drafts (each sequence
@@ -19,6 +22,7 @@
 //! channel as now; the queue, the events and the HTTP side stay as they are.
 
 pub mod error;
+pub mod group;
 pub mod request;
 pub mod response;
 mod routes;
@@ -42,10 +46,23 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
 }
 
-/// Loads the model on its thread, then serves until interrupted (Ctrl-C).
+/// Loads the model on its thread, then serves until interrupted (Ctrl-C or SIGTERM),
+/// and returns once the model thread has finished (in a group: has stopped the others).
 pub fn run(config: ServerConfig, load: Loader) -> Result<(), EngineError> {
     let (jobs, queue) = std::sync::mpsc::sync_channel(config.queue_size);
-    let facts = worker::spawn(load, queue)?;
+    let worker = worker::spawn(load, queue)?;
+    let served = serve_http(config, jobs, &worker.facts);
+    // The job queue closed with the HTTP side: the model thread finishes what it has.
+    let stopped = worker.join();
+    served.and(stopped)
+}
+
+/// Serves HTTP until interrupted; every handle on the job queue is gone when it returns.
+fn serve_http(
+    config: ServerConfig,
+    jobs: std::sync::mpsc::SyncSender<worker::Job>,
+    facts: &worker::ModelFacts,
+) -> Result<(), EngineError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -58,7 +75,7 @@ pub fn run(config: ServerConfig, load: Loader) -> Result<(), EngineError> {
         facts.drafter.clone(),
         config.max_body_bytes,
     ));
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
             .await
             .map_err(|e| {
@@ -76,10 +93,28 @@ pub fn run(config: ServerConfig, load: Loader) -> Result<(), EngineError> {
             config.model_id, facts.drafter, config.queue_size
         );
         axum::serve(listener, router(state))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
+            .with_graceful_shutdown(interrupted())
             .await
             .map_err(|e| EngineError::Invalid(format!("serving HTTP: {e}")))
-    })
+    });
+    // Ends the tasks still holding the queue, so the model thread sees it close.
+    drop(runtime);
+    served
+}
+
+/// Ctrl-C, or SIGTERM (what service managers and `kill` send): either stops the server
+/// the same graceful way, which in a group stops the other ranks too.
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }

@@ -1,5 +1,6 @@
 //! The one thread that owns the model, the drafter and every MLX array: it loads them,
-//! then takes jobs off the queue one at a time and streams each one's text back.
+//! then takes jobs off the queue one at a time and streams each one's text back. On rank
+//! 0 of a group it also hands each job to the other ranks first (see [`group`]).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,8 +19,10 @@ use crate::decoding::speculative::{
     generate_speculative_serving, ServingOptions, Speculation, SpeculativeStats,
 };
 use crate::error::EngineError;
+use crate::loading::distributed::Distributed;
 use crate::loading::LoadedModel;
 use crate::serve::error::ApiError;
+use crate::serve::group::{self, SharedJob};
 use crate::serve::request::{JobRequest, Prompt};
 use crate::text::chat_template::{ChatMessage, ChatTemplate};
 use crate::text::tool_calls::{ToolCall, ToolCallStream};
@@ -35,6 +38,23 @@ pub struct Engine {
     pub default_max_tokens: usize,
     /// The target's caches of earlier requests (`--prompt-cache-bytes`).
     pub prompt_cache: PromptCache,
+    /// The group the target is split over, if it is: rank 0 sends it every job it
+    /// generates (see [`group`]).
+    pub group: Option<Arc<Distributed>>,
+}
+
+impl Engine {
+    /// The parts a generation borrows: the model, the drafting settings, the prompt cache.
+    /// One place builds them, so that every rank of a group speculates alike.
+    pub fn parts(&mut self) -> (&LoadedModel, Speculation<'_>, &mut PromptCache) {
+        let speculation = Speculation {
+            drafter: self.drafter.as_mut(),
+            max_draft: self.max_draft,
+            adaptive: self.adaptive,
+            trace: None,
+        };
+        (&self.loaded, speculation, &mut self.prompt_cache)
+    }
 }
 
 /// Builds the [`Engine`] on the worker thread, where its arrays must live.
@@ -97,27 +117,50 @@ pub struct Finished {
     pub logprobs: Option<Vec<TokenChoice>>,
 }
 
+/// The running model thread.
+pub struct Worker {
+    pub facts: ModelFacts,
+    thread: std::thread::JoinHandle<Result<(), EngineError>>,
+}
+
+impl Worker {
+    /// Waits for the thread to end, once every job sender is gone: in a group, that is
+    /// once it has told the other ranks to stop and they have.
+    pub fn join(self) -> Result<(), EngineError> {
+        self.thread.join().unwrap_or_else(|_| {
+            Err(EngineError::Invalid(
+                "the model thread failed while stopping".into(),
+            ))
+        })
+    }
+}
+
 /// Starts the worker, which loads with `load` and then serves `jobs` until every
 /// sender is gone. Returns once loading is done, with its outcome.
-pub fn spawn(load: Loader, jobs: Receiver<Job>) -> Result<ModelFacts, EngineError> {
+pub fn spawn(load: Loader, jobs: Receiver<Job>) -> Result<Worker, EngineError> {
     let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(1);
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("dspec-model".into())
         .spawn(move || run(load, jobs, ready_tx))
         .map_err(|e| EngineError::Invalid(format!("starting the model thread: {e}")))?;
-    ready_rx.recv().unwrap_or_else(|_| {
+    let facts = ready_rx.recv().unwrap_or_else(|_| {
         Err(EngineError::Invalid(
             "the model thread ended while loading".into(),
         ))
-    })
+    })?;
+    Ok(Worker { facts, thread })
 }
 
-fn run(load: Loader, jobs: Receiver<Job>, ready: SyncSender<Result<ModelFacts, EngineError>>) {
+fn run(
+    load: Loader,
+    jobs: Receiver<Job>,
+    ready: SyncSender<Result<ModelFacts, EngineError>>,
+) -> Result<(), EngineError> {
     let mut engine = match load() {
         Ok(engine) => engine,
         Err(e) => {
             let _ = ready.send(Err(e));
-            return;
+            return Ok(());
         }
     };
     let facts = ModelFacts {
@@ -125,7 +168,7 @@ fn run(load: Loader, jobs: Receiver<Job>, ready: SyncSender<Result<ModelFacts, E
         drafter: engine.drafter.name().to_string(),
     };
     if ready.send(Ok(facts)).is_err() {
-        return;
+        return Ok(());
     }
     let template = match engine.loaded.tokenizer.chat_template() {
         Some(source) => ChatTemplate::new(
@@ -136,7 +179,7 @@ fn run(load: Loader, jobs: Receiver<Job>, ready: SyncSender<Result<ModelFacts, E
         .map_err(|e| e.to_string()),
         None => Err("the model has no chat template; use /v1/completions with raw text".into()),
     };
-    while let Ok(job) = jobs.recv() {
+    while let Some(job) = next_job(&engine, &jobs) {
         // A client that left while queued costs nothing.
         if job.cancel.load(Ordering::Relaxed) {
             continue;
@@ -149,8 +192,34 @@ fn run(load: Loader, jobs: Receiver<Job>, ready: SyncSender<Result<ModelFacts, E
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "dspec failed on this request (an internal error; see the server's log)",
             )));
+            // Unless the other ranks were left mid-generation, waiting on this one.
+            if let Some(group) = &engine.group {
+                group::abandon(
+                    group,
+                    &EngineError::Invalid("an internal error ended a generation".into()),
+                );
+            }
         }
     }
+    match &engine.group {
+        Some(group) => stop_followers(group),
+        None => Ok(()),
+    }
+}
+
+/// The next job, or `None` once the server stops. In a group, waiting for it is idle
+/// time: the other ranks are watched for dying, not for progress.
+fn next_job(engine: &Engine, jobs: &Receiver<Job>) -> Option<Job> {
+    let _idle = engine.group.as_deref().map(Distributed::idle);
+    jobs.recv().ok()
+}
+
+/// Tells the followers that the server stops, and waits until every rank has.
+fn stop_followers(group: &Distributed) -> Result<(), EngineError> {
+    let watching = group.watch();
+    group::send(group, &group::Message::Stop)?;
+    drop(watching);
+    group.finish()
 }
 
 /// The prompt as token ids, or the request's fault.
@@ -252,12 +321,18 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
     if events.send(Event::Started).is_err() {
         return;
     }
-    let config = GenerationConfig {
+    let mut config = GenerationConfig {
         max_tokens,
         sampling: request.sampling,
         stop_strings: request.stop,
         eos_ids: engine.loaded.tokenizer.eos_token_ids().to_vec(),
     };
+    let group = engine.group.clone();
+    // Watched from the job's first exchange with the other ranks to its last.
+    let _watch = group.as_deref().map(Distributed::watch);
+    if let Some(group) = group.as_deref() {
+        share_job(engine, group, &prompt, &mut config);
+    }
     // Parsing runs here, where the text is; the HTTP side only shapes the calls as JSON.
     let mut call_parser = template
         .as_ref()
@@ -275,7 +350,8 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             cancel.store(true, Ordering::Relaxed);
         }
     };
-    let tokenizer = &engine.loaded.tokenizer;
+    let (loaded, speculation, prompt_cache) = engine.parts();
+    let tokenizer = &loaded.tokenizer;
     let choices = |entries: &[TokenLogprob]| -> Vec<TokenChoice> {
         let candidate = |id: u32, logprob: f32| Candidate {
             text: tokenizer.decode(&[id], false).unwrap_or_default(),
@@ -292,21 +368,21 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
     let mut on_logprobs = |entries: &[TokenLogprob]| {
         let _ = events.send(Event::Logprobs(choices(entries)));
     };
+    // In a group, the followers learn of a client that left in the same round.
+    let cancelled = || match group.as_deref() {
+        Some(group) => Ok(group.group().any(cancel.load(Ordering::Relaxed))?),
+        None => Ok(cancel.load(Ordering::Relaxed)),
+    };
     let outcome = generate_speculative_serving(
-        engine.loaded.model.as_ref(),
-        &engine.loaded.tokenizer,
+        loaded.model.as_ref(),
+        tokenizer,
         &prompt,
         &config,
-        Speculation {
-            drafter: engine.drafter.as_mut(),
-            max_draft: engine.max_draft,
-            adaptive: engine.adaptive,
-            trace: None,
-        },
+        speculation,
         &mut on_text,
         ServingOptions {
-            cancelled: Some(&|| cancel.load(Ordering::Relaxed)),
-            prompt_cache: Some(&mut engine.prompt_cache),
+            cancelled: Some(&cancelled),
+            prompt_cache: Some(&mut *prompt_cache),
             logprobs: request.logprobs,
             on_logprobs: Some(&mut on_logprobs),
         },
@@ -337,16 +413,37 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
                 tool_calls,
                 stats: out.stats,
                 speculative: out.speculative,
-                prompt_cache: engine.prompt_cache.usage(),
+                prompt_cache: prompt_cache.usage(),
                 logprobs: out.logprobs.as_deref().map(choices),
             }))
         }
-        Err(e) => Event::Failed(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("generation failed: {e}"),
-        )),
+        Err(e) => {
+            let _ = events.send(Event::Failed(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("generation failed: {e}"),
+            )));
+            // The other ranks may have failed elsewhere, or not at all: out of step.
+            if let Some(group) = group.as_deref() {
+                group::abandon(group, &e);
+            }
+            return;
+        }
     };
     let _ = events.send(event);
+}
+
+/// In a group, before generating: every rank is to draw with one seed, the request's or
+/// one rank 0 picks, and the other ranks get the job. A group that fails here ends the
+/// server.
+fn share_job(engine: &Engine, group: &Distributed, prompt: &[u32], config: &mut GenerationConfig) {
+    config.sampling.seed.get_or_insert_with(rand::random);
+    let job = SharedJob {
+        prompt: prompt.to_vec(),
+        config: config.clone(),
+    };
+    if let Err(e) = group::lead(group, engine, job) {
+        group::abandon(group, &e);
+    }
 }
 
 /// OpenAI's `finish_reason` for how a generation ended.
