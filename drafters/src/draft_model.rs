@@ -147,7 +147,8 @@ impl Drafter for DraftModelDrafter {
         if self.overlaps && self.unsent.len() >= FEED_AT {
             let check_from = self.accounted.min(self.unsent.len());
             self.accounted -= check_from;
-            self.thread.feed(std::mem::take(&mut self.unsent), check_from)?;
+            self.thread
+                .feed(std::mem::take(&mut self.unsent), check_from)?;
         }
         Ok(())
     }

@@ -420,7 +420,9 @@ impl Chain {
                     extra,
                 },
                 None,
-            ) => self.logits(&committed, check_from, &extra).map(Reply::Logits),
+            ) => self
+                .logits(&committed, check_from, &extra)
+                .map(Reply::Logits),
             #[cfg(test)]
             (Request::Settle, None) => {
                 while self.wants_more() {
@@ -912,7 +914,9 @@ mod tests {
     fn feeding_without_a_prompt_fails_at_the_next_request() {
         let dir = model_dir(31);
         let mut thread = spawn_unstarted(&dir, DraftAhead::Off);
-        thread.feed(vec![1, 2, 3], 0).expect("sending does not wait");
+        thread
+            .feed(vec![1, 2, 3], 0)
+            .expect("sending does not wait");
         let e = thread.draft(vec![4], 0, 2).expect_err("no prompt was read");
         assert!(e.to_string().contains("no prompt"), "{e}");
     }
@@ -926,8 +930,9 @@ mod tests {
         // One long greedy chain after the prompt and 35: c1..c9.
         let chain = greedy_chain(&dir, 9);
         let (mut ahead, mut plain) = (spawn(&dir, DraftAhead::On), spawn(&dir, DraftAhead::Off));
-        let round =
-            |t: &mut DraftThread, committed: &[u32]| t.draft(committed.to_vec(), 0, 4).expect("draft");
+        let round = |t: &mut DraftThread, committed: &[u32]| {
+            t.draft(committed.to_vec(), 0, 4).expect("draft")
+        };
 
         let (a, p) = (round(&mut ahead, &[35]), round(&mut plain, &[35]));
         assert_eq!(a.tokens, chain[..4]);
@@ -1013,7 +1018,9 @@ mod tests {
         assert_eq!(argmax(&first), chain[0]);
         let second = t.logits(vec![], 0, vec![chain[0]]).expect("logits");
         assert_eq!(argmax(&second), chain[1]);
-        let third = t.logits(vec![], 0, vec![chain[0], chain[1]]).expect("logits");
+        let third = t
+            .logits(vec![], 0, vec![chain[0], chain[1]])
+            .expect("logits");
         assert_eq!(argmax(&third), chain[2]);
         // Back to greedy drafting from the same committed sequence.
         assert_eq!(t.draft(vec![], 0, 3).expect("draft").tokens, chain);
@@ -1037,12 +1044,13 @@ mod tests {
         // The model's own greedy continuation with every fourth token changed: some
         // guesses right, some wrong.
         let mut committed = vec![35];
-        committed.extend(
-            greedy_chain(&dir, 24)
-                .iter()
-                .enumerate()
-                .map(|(i, &t)| if i % 4 == 3 { (t + 1) % 97 } else { t }),
-        );
+        committed.extend(greedy_chain(&dir, 24).iter().enumerate().map(|(i, &t)| {
+            if i % 4 == 3 {
+                (t + 1) % 97
+            } else {
+                t
+            }
+        }));
         let sequence: Vec<u32> = PROMPT.iter().chain(&committed).copied().collect();
         let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
         let mut cache = model.new_cache();

@@ -219,6 +219,10 @@ mod tests {
         let drafts = d.propose(t, 2, 2, &mut NoPicker).unwrap().tokens;
         assert_eq!(drafts, vec![3, 5], "the latest match");
         d.commit(&[2, 3], None).unwrap();
-        assert_eq!(d.agreement(), Some(Agreement::default()), "a drafting round");
+        assert_eq!(
+            d.agreement(),
+            Some(Agreement::default()),
+            "a drafting round"
+        );
     }
 }

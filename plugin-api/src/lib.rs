@@ -21,8 +21,8 @@ pub mod weights;
 
 pub use cache::{ExternalCache, KvCache, LayerCache, ModelCache, RecurrentCache};
 pub use drafter::{
-    detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Agreement, Draft, DraftAhead, Drafter,
-    DrafterLoadRequest, DrafterOptions, DrafterRegistration, Picked, TokenPicker,
+    detect_drafter_kind, drafter_kind_by_name, drafter_kinds, Agreement, Draft, DraftAhead,
+    Drafter, DrafterLoadRequest, DrafterOptions, DrafterRegistration, Picked, TokenPicker,
 };
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};

@@ -225,6 +225,26 @@ impl DraftLength {
         } else {
             self.plain.observe(1.0, verify_seconds);
         }
+        self.schedule_probe();
+    }
+
+    /// A round that asked for drafts and got none (a lookup that found no match): it
+    /// paid a verify of width 1, waited on at once, for one token, as a round whose first
+    /// draft is rejected does; it is counted so, not as a plain step, whose pipelined cost
+    /// it does not have (counted as one, it would make plain steps look dear and keep
+    /// rounds asking for drafts that do not come).
+    pub fn observe_empty(&mut self, verify_seconds: f64) {
+        self.rounds += 1;
+        if self.rounds >= WARMUP_ROUNDS {
+            self.warmed_up = true;
+        }
+        self.kept *= DECAY;
+        self.rejected = self.rejected * DECAY + 1.0;
+        self.verify.observe(1.0, verify_seconds);
+        self.schedule_probe();
+    }
+
+    fn schedule_probe(&mut self) {
         if self.rounds > self.next_probe {
             // The probe is in: space the next one out while drafting still does not pay
             // (at once to the longest spacing when α is measured without probes, which
@@ -440,8 +460,37 @@ mod tests {
         // plain step, one short round can still look worth it.)
         assert!(ks[5..60].iter().all(|&k| k == 0), "{ks:?}");
         let back = ks[60..].iter().position(|&k| k > 0).map(|i| i + 60);
-        assert!(back.is_some_and(|i| i < 80), "drafting resumed at {back:?}: {ks:?}");
+        assert!(
+            back.is_some_and(|i| i < 80),
+            "drafting resumed at {back:?}: {ks:?}"
+        );
         assert_eq!(most_common(&ks[100..]), 8, "{ks:?}");
+    }
+
+    /// A lookup that finds no match proposes nothing: such a round costs a verify of
+    /// width 1 waited on at once, and must not pass for a plain step (which would then
+    /// look as dear, and keep rounds asking for drafts that do not come): the plain
+    /// step's cost stays what plain steps cost, and the round counts as a rejection.
+    #[test]
+    fn a_round_that_gets_no_drafts_is_not_a_plain_step() {
+        let mut control = DraftLength::new(16, true);
+        for _ in 0..4 {
+            control.observe(0, 0, 0.0, 0.003);
+        }
+        let alpha = control.acceptance();
+        for _ in 0..20 {
+            control.observe_empty(0.008);
+        }
+        let plain = control.plain.predict(1.0, false).expect("plain steps seen");
+        assert!((plain - 0.003).abs() < 1e-9, "plain step {plain}");
+        let verify = control.verify.predict(1.0, false).expect("verifies seen");
+        assert!((verify - 0.008).abs() < 1e-9, "verify {verify}");
+        assert!(
+            control.acceptance() < alpha / 4.0,
+            "{alpha} -> {}",
+            control.acceptance()
+        );
+        assert_eq!(control.next(usize::MAX), 0);
     }
 
     #[test]

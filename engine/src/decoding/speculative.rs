@@ -383,12 +383,15 @@ impl Rounds<'_, '_, '_> {
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
         // token to token.
-        self.length.observe(
-            draft.tokens.len(),
-            accepted,
-            draft_elapsed.as_secs_f64(),
-            t.elapsed().as_secs_f64(),
-        );
+        match draft.tokens.len() {
+            0 => self.length.observe_empty(t.elapsed().as_secs_f64()),
+            drafted => self.length.observe(
+                drafted,
+                accepted,
+                draft_elapsed.as_secs_f64(),
+                t.elapsed().as_secs_f64(),
+            ),
+        }
         Ok(stop)
     }
 
