@@ -125,18 +125,23 @@ class MlxLmPeer:
         return aggregate(pairs), (statistics.mean(taus) if taus else None)
 
     def prefill(self, ids, runs=3):
-        """Warm prefill tok/s of `ids` (chunks of 2048, as mlx-lm's generate does) and the
-        first call's seconds."""
+        """Warm prefill tok/s of `ids` and the first call's seconds, measured as dspec's
+        is: up to the first generated token. As mlx-lm's generate_step reads a prompt: all
+        but the last token in chunks of 2048 (only the cache evaluated), then the last
+        token's step, whose logits give the first token."""
         from mlx_lm.models.cache import make_prompt_cache
 
         mx = self.mx
+        head, last = ids[:-1], ids[-1:]
         times = []
         for _ in range(runs + 1):
             cache = make_prompt_cache(self.model)
             start = time.perf_counter()
-            for i in range(0, len(ids), 2048):
-                self.model(mx.array(ids[i:i + 2048])[None], cache=cache)
+            for i in range(0, len(head), 2048):
+                self.model(mx.array(head[i:i + 2048])[None], cache=cache)
                 mx.eval([c.state for c in cache])
+            logits = self.model(mx.array(last)[None], cache=cache)
+            mx.eval(mx.argmax(logits[:, -1, :], axis=-1), [c.state for c in cache])
             times.append(time.perf_counter() - start)
         return len(ids) / statistics.median(times[1:]), times[0]
 
