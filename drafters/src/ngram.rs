@@ -170,12 +170,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn drafter_sees_the_last_token_and_committed_history() {
+    /// A target to pass along (the n-gram drafter never reads it).
+    fn tiny_target() -> (tempfile::TempDir, Box<dyn TargetModel>) {
         let dir = tempfile::tempdir().unwrap();
         let fixtures = dspec_adapters::fixtures::TINY_LLAMA;
         dspec_adapters::fixtures::write_random_model(dir.path(), fixtures, 1, None).unwrap();
         let target = dspec_adapters::fixtures::load_dir(dir.path(), &Default::default()).unwrap();
+        (dir, target)
+    }
+
+    #[test]
+    fn drafter_sees_the_last_token_and_committed_history() {
+        let (_dir, target) = tiny_target();
         let t = target.as_ref();
         let mut d = NgramDrafter::new(2);
         d.begin(t, &[10, 11, 12, 13, 10], None).unwrap();
@@ -196,10 +202,7 @@ mod tests {
     /// a round that drafted is counted by the engine itself, not again here.
     #[test]
     fn plain_steps_report_how_often_a_lookup_would_have_guessed_them() {
-        let dir = tempfile::tempdir().unwrap();
-        let fixtures = dspec_adapters::fixtures::TINY_LLAMA;
-        dspec_adapters::fixtures::write_random_model(dir.path(), fixtures, 1, None).unwrap();
-        let target = dspec_adapters::fixtures::load_dir(dir.path(), &Default::default()).unwrap();
+        let (_dir, target) = tiny_target();
         let t = target.as_ref();
         let mut d = NgramDrafter::new(2);
         d.begin(t, &[1, 2, 3, 4], None).unwrap();

@@ -9,7 +9,8 @@ use mlx_rs::Array;
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
+use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
+use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Agreement, Draft, Drafter, TargetModel, TokenPicker};
 
@@ -361,6 +362,30 @@ fn adaptive_draft_length_keeps_greedy_output() {
     }
 }
 
+/// `max_tokens` greedy tokens with `--max-draft auto:6`.
+fn auto_run<'a>(
+    loaded: &LoadedModel,
+    prompt: &[u32],
+    drafter: &'a mut dyn Drafter,
+    max_tokens: usize,
+    trace: Option<&'a mut dyn std::io::Write>,
+) -> SpeculativeOutput {
+    generate_speculative(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        prompt,
+        &config(max_tokens, vec![], vec![]),
+        Speculation {
+            drafter,
+            max_draft: 6,
+            adaptive: true,
+            trace,
+        },
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
 /// A drafter that reports how its guesses fare on plain steps' tokens spares the
 /// generation its probes: with drafts that are never kept, one warm-up round drafts and
 /// every other round is a plain step, and the output is plain greedy's.
@@ -380,20 +405,7 @@ fn measured_agreement_spares_the_probes() {
         agreement: Some(Agreement::default()),
         ..NoisyOracle::always_wrong(&truth)
     };
-    let out = generate_speculative(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        &prompt,
-        &config(120, vec![], vec![]),
-        Speculation {
-            drafter: &mut drafter,
-            max_draft: 6,
-            adaptive: true,
-            trace: None,
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    let out = auto_run(&loaded, &prompt, &mut drafter, 120, None);
     assert_eq!(out.tokens, truth[..120].to_vec());
     let h = &out.speculative.draft_histogram;
     assert_eq!(h[6], 1, "one warm-up round: {h:?}");
@@ -421,20 +433,7 @@ fn auto_draft_length_decodes_plainly_while_drafts_fail() {
         ..NoisyOracle::always_wrong(&truth)
     };
     let mut trace = Vec::new();
-    let out = generate_speculative(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        &prompt,
-        &config(120, vec![], vec![]),
-        Speculation {
-            drafter: &mut drafter,
-            max_draft: 6,
-            adaptive: true,
-            trace: Some(&mut trace),
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    let out = auto_run(&loaded, &prompt, &mut drafter, 120, Some(&mut trace));
     assert_eq!(out.tokens, truth[..120].to_vec());
     let s = &out.speculative;
     assert_eq!(s.accepted_tokens, 0);

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
@@ -338,6 +338,24 @@ impl DistributedArgs {
             timeout: std::time::Duration::from_secs(self.distributed_timeout),
         };
         Ok(distributed::join(&settings)?)
+    }
+}
+
+/// Runs `run` alone, or as one rank of `joined` (from [`DistributedArgs::join`], which
+/// must come first: joining starts MLX's backend, before any thread uses MLX). In a group,
+/// every rank ends only once all have finished: a rank that failed late makes the others
+/// fail too, rather than report a success it cannot vouch for.
+pub fn run_joined(
+    joined: Option<Distributed>,
+    run: impl FnOnce(Option<&Distributed>) -> Result<()>,
+) -> Result<()> {
+    match joined {
+        None => run(None),
+        Some(group) => {
+            run(Some(&group)).with_context(|| group.describe_failure())?;
+            group.finish().with_context(|| group.describe_failure())?;
+            Ok(())
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 
-use super::args::{DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
+use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
 use super::prompt::encode_prompt;
 
 #[derive(Args)]
@@ -50,15 +50,9 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
-    // First: joining starts MLX's backend, which must happen before any thread uses MLX.
-    match args.distributed.join()? {
-        None => run_on(args, plugins, None),
-        Some(group) => {
-            run_on(args, plugins, Some(&group)).with_context(|| group.describe_failure())?;
-            group.finish().with_context(|| group.describe_failure())?;
-            Ok(())
-        }
-    }
+    run_joined(args.distributed.join()?, |group| {
+        run_on(args, plugins, group)
+    })
 }
 
 /// `dspec bench` alone, or as one rank of `group` (every rank runs the same decoding;

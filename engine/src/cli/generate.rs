@@ -15,7 +15,7 @@ use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 
-use super::args::{DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
+use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
 use super::prompt::encode_prompt;
 
 #[derive(Args)]
@@ -117,17 +117,9 @@ fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
 }
 
 pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
-    // First: joining starts MLX's backend, which must happen before any thread uses MLX.
-    match args.distributed.join()? {
-        None => run_on(args, plugins, None),
-        Some(group) => {
-            run_on(args, plugins, Some(&group)).with_context(|| group.describe_failure())?;
-            // Every rank ends here only once all have generated: a rank that failed late
-            // makes the others fail too, rather than report a success it cannot vouch for.
-            group.finish().with_context(|| group.describe_failure())?;
-            Ok(())
-        }
-    }
+    run_joined(args.distributed.join()?, |group| {
+        run_on(args, plugins, group)
+    })
 }
 
 /// `dspec generate` alone, or as one rank of `group` (every rank generates the same
