@@ -1,7 +1,12 @@
 //! `dspec bench`: plain greedy decoding and speculative decoding on the same prompts in
-//! one process, so the speedup is a ratio of two runs under the same conditions; prefill
+//! one process, so the speedup is a ratio of runs under the same conditions; prefill
 //! speed measured warm; and where the two greedy outputs differ, whether a rounding tie
 //! explains it.
+//!
+//! Decode speed moves between runs of the same prompt in one process (on a GPU bound by
+//! the host's work, by more than the gains a drafter is judged on), so each prompt runs
+//! several passes, plain and speculative alternating which goes first, and a row reports
+//! the median pass of each.
 
 use std::time::Instant;
 
@@ -12,9 +17,11 @@ use serde::Serialize;
 use dspec_plugin_api::{Drafter, TargetModel};
 
 use crate::decoding::generate::{
-    generate, logits_to_host, prefill, GenerationConfig, GenerationStats,
+    generate, logits_to_host, prefill, GenerationConfig, GenerationOutput, GenerationStats,
 };
-use crate::decoding::speculative::{generate_speculative, Speculation, SpeculativeStats};
+use crate::decoding::speculative::{
+    generate_speculative, Speculation, SpeculativeOutput, SpeculativeStats,
+};
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
 
@@ -84,6 +91,8 @@ pub struct BenchSettings {
     pub max_draft: usize,
     /// Draft lengths chosen per round (`--max-draft auto`), `max_draft` at most.
     pub adaptive: bool,
+    /// Plain and speculative runs of each prompt (at least 1); rows report the medians.
+    pub passes: usize,
     pub prefill: PrefillPlan,
 }
 
@@ -150,13 +159,20 @@ pub struct BenchRow {
     pub prompt_ids: Vec<u32>,
     /// Plain greedy decoding's output ids.
     pub tokens: Vec<u32>,
+    /// The plain pass of median decode time (of an even count, the faster middle one).
     pub plain: GenerationStats,
+    /// The speculative pass of median decode time, and its drafting.
     pub speculative: GenerationStats,
     pub drafting: SpeculativeStats,
-    /// Speculative decode tok/s over plain decode tok/s.
+    /// Decode tok/s of every pass, in the order run.
+    pub plain_passes: Vec<f64>,
+    pub speculative_passes: Vec<f64>,
+    /// The median speculative pass's decode tok/s over the median plain pass's.
     pub speedup: f64,
+    /// Every speculative pass gave plain decoding's tokens.
     pub identical: bool,
-    /// Where the outputs first differ, when they do.
+    /// Where a speculative pass's output first differs from plain decoding's, when one
+    /// does (a real mismatch before a near-tie).
     pub first_difference: Option<FirstDifference>,
 }
 
@@ -167,8 +183,11 @@ pub struct BenchReport {
     /// Draft lengths were chosen per round (`--max-draft auto`), `max_draft` at most.
     pub adaptive: bool,
     pub max_tokens: usize,
+    /// Passes per prompt ([`BenchSettings::passes`]).
+    pub passes: usize,
     pub rows: Vec<BenchRow>,
-    /// Over all prompts: generated tokens (after each first) / decode seconds.
+    /// Over all prompts' median passes: generated tokens (after each first) / decode
+    /// seconds.
     pub plain_tokens_per_second: f64,
     pub speculative_tokens_per_second: f64,
     pub speedup: f64,
@@ -184,9 +203,11 @@ pub struct BenchReport {
     pub prefill: Option<PrefillReport>,
 }
 
-/// Runs every prompt plainly and speculatively (greedy), after one short warm-up of
-/// each so neither side pays first-call costs inside its timing. Prefill is measured
-/// first, so each prompt's first prefill is its first in the process.
+/// Runs every prompt plainly and speculatively (greedy), `passes` times each, after one
+/// short warm-up of each so neither side pays first-call costs inside its timing. The
+/// passes go over all prompts in turn, and alternate which of the two runs first, so a
+/// drift in the machine's speed falls on both alike. Prefill is measured first, so each
+/// prompt's first prefill is its first in the process.
 pub fn run_bench(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
@@ -198,8 +219,12 @@ pub fn run_bench(
         max_tokens,
         max_draft,
         adaptive,
+        passes,
         ..
     } = *settings;
+    if passes == 0 {
+        return Err(EngineError::Invalid("--passes must be at least 1".into()));
+    }
     let prefill = match settings.prefill.warm_runs {
         0 => None,
         _ => Some(measure_prefill(model, prompts, &settings.prefill)?),
@@ -210,32 +235,61 @@ pub fn run_bench(
         stop_strings: Vec::new(),
         eos_ids: tokenizer.eos_token_ids().to_vec(),
     };
+    let speculative = |drafter: &mut dyn Drafter, prompt: &[u32], config: &GenerationConfig| {
+        let speculation = Speculation {
+            drafter,
+            max_draft,
+            adaptive,
+            trace: None,
+        };
+        generate_speculative(model, tokenizer, prompt, config, speculation, &mut |_| {})
+    };
     if let Some(first) = prompts.first() {
         let warm = GenerationConfig {
             max_tokens: max_tokens.min(8),
             ..config.clone()
         };
         generate(model, tokenizer, first, &warm, &mut |_| {})?;
-        let speculation = Speculation {
-            drafter: &mut *drafter,
-            max_draft,
-            adaptive,
-            trace: None,
-        };
-        generate_speculative(model, tokenizer, first, &warm, speculation, &mut |_| {})?;
+        speculative(&mut *drafter, first, &warm)?;
+    }
+    let mut plain_runs: Vec<Vec<GenerationOutput>> = prompts.iter().map(|_| Vec::new()).collect();
+    let mut spec_runs: Vec<Vec<SpeculativeOutput>> = prompts.iter().map(|_| Vec::new()).collect();
+    for pass in 0..passes {
+        for (i, prompt) in prompts.iter().enumerate() {
+            let plain_first = pass % 2 == 0;
+            if plain_first {
+                plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
+            }
+            spec_runs[i].push(speculative(&mut *drafter, prompt, &config)?);
+            if !plain_first {
+                plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
+            }
+        }
     }
     let mut rows = Vec::new();
-    for prompt in prompts {
-        let plain = generate(model, tokenizer, prompt, &config, &mut |_| {})?;
-        let speculation = Speculation {
-            drafter: &mut *drafter,
-            max_draft,
-            adaptive,
-            trace: None,
-        };
-        let spec =
-            generate_speculative(model, tokenizer, prompt, &config, speculation, &mut |_| {})?;
-        let first_difference = first_difference(model, prompt, &plain.tokens, &spec.tokens)?;
+    for ((prompt, plains), specs) in prompts.iter().zip(plain_runs).zip(spec_runs) {
+        let plain_passes: Vec<f64> = plains
+            .iter()
+            .map(|p| p.stats.decode_tokens_per_second)
+            .collect();
+        let speculative_passes: Vec<f64> = specs
+            .iter()
+            .map(|s| s.stats.decode_tokens_per_second)
+            .collect();
+        let plain = median_pass(plains, |p| p.stats.decode_seconds);
+        let mut first_difference: Option<FirstDifference> = None;
+        for spec in &specs {
+            let found = self::first_difference(model, prompt, &plain.tokens, &spec.tokens)?;
+            let worse = match (&first_difference, &found) {
+                (None, Some(_)) => true,
+                (Some(kept), Some(new)) => kept.near_tie && !new.near_tie,
+                _ => false,
+            };
+            if worse {
+                first_difference = found;
+            }
+        }
+        let spec = median_pass(specs, |s| s.stats.decode_seconds);
         rows.push(BenchRow {
             prompt_tokens: prompt.len(),
             prompt_ids: prompt.clone(),
@@ -247,6 +301,8 @@ pub fn run_bench(
             plain: plain.stats,
             speculative: spec.stats,
             drafting: spec.speculative,
+            plain_passes,
+            speculative_passes,
         });
     }
     let rate = |pick: &dyn Fn(&BenchRow) -> &GenerationStats| {
@@ -270,6 +326,7 @@ pub fn run_bench(
         max_draft,
         adaptive,
         max_tokens,
+        passes,
         plain_tokens_per_second: plain_tps,
         speculative_tokens_per_second: spec_tps,
         speedup: spec_tps / plain_tps.max(1e-9),
@@ -344,6 +401,13 @@ pub fn measure_prefill(
         warm_runs: plan.warm_runs,
         rows,
     })
+}
+
+/// The run of median `seconds` among `runs` (not empty); of an even count, the faster
+/// of the two middle ones.
+fn median_pass<T>(mut runs: Vec<T>, seconds: impl Fn(&T) -> f64) -> T {
+    runs.sort_by(|a, b| seconds(a).total_cmp(&seconds(b)));
+    runs.swap_remove((runs.len() - 1) / 2)
 }
 
 fn median(values: &[f64]) -> Option<f64> {

@@ -618,6 +618,27 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     }
     assert!(report["tau"].as_f64().expect("tau") >= 1.0);
     assert!(report["speedup"].as_f64().expect("speedup") > 0.0);
+    // Three passes of each by default; a row reports the median pass of each side.
+    assert_eq!(report["passes"], 3);
+    for row in report["rows"].as_array().expect("rows") {
+        for (side, passes) in [
+            ("plain", "plain_passes"),
+            ("speculative", "speculative_passes"),
+        ] {
+            let mut speeds: Vec<f64> = row[passes]
+                .as_array()
+                .expect("passes")
+                .iter()
+                .map(|v| v.as_f64().expect("tok/s"))
+                .collect();
+            assert_eq!(speeds.len(), 3, "{row}");
+            speeds.sort_by(f64::total_cmp);
+            let median = row[side]["decode_tokens_per_second"]
+                .as_f64()
+                .expect("tok/s");
+            assert_eq!(median, speeds[1], "{row}");
+        }
+    }
     // Prefill of each prompt, warm (3 runs by default) with the first call apart.
     let prefill = report["prefill"]["rows"].as_array().expect("prefill rows");
     assert_eq!(prefill.len(), 3);
@@ -673,7 +694,7 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
         err.contains("--prefill-lengths") && err.contains("4096"),
         "{err}"
     );
-    // --prefill-runs 0: no prefill measurement, no key.
+    // --prefill-runs 0: no prefill measurement, no key; --passes sets the runs.
     let out = dspec(&[
         "bench",
         "--target",
@@ -684,11 +705,27 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
         "4",
         "--prefill-runs",
         "0",
+        "--passes",
+        "2",
         "--json",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert!(v["report"].get("prefill").is_none(), "{v}");
+    assert_eq!(v["report"]["passes"], 2);
+    for row in v["report"]["rows"].as_array().expect("rows") {
+        assert_eq!(row["speculative_passes"].as_array().map(Vec::len), Some(2));
+    }
+    let err = dspec_fails(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--passes",
+        "0",
+    ]);
+    assert!(err.contains("--passes"), "{err}");
 
     // The table, with the default prompts.
     let out = dspec(&[

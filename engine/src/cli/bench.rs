@@ -31,6 +31,10 @@ pub struct BenchArgs {
     prompts: Option<PathBuf>,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
+    /// Plain and speculative runs of each prompt; each row reports the median run of
+    /// each (decode speed moves between runs, on a GPU by more than a drafter's gain).
+    #[arg(long, default_value_t = 3)]
+    passes: usize,
     /// Feed prompts as raw text instead of through the model's chat template.
     #[arg(long)]
     no_chat_template: bool,
@@ -64,6 +68,9 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
     }
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
+    }
+    if args.passes == 0 {
+        bail!("--passes must be at least 1");
     }
     if !args.prefill_lengths.is_empty() && args.prefill_runs == 0 {
         bail!("--prefill-lengths needs --prefill-runs of at least 1");
@@ -105,6 +112,7 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
         max_tokens: args.max_tokens,
         max_draft: args.tuning.max_draft.max,
         adaptive: args.tuning.max_draft.adaptive,
+        passes: args.passes,
         prefill: dspec_engine::bench::PrefillPlan {
             warm_runs: args.prefill_runs,
             synthetic_lengths: args.prefill_lengths.clone(),
@@ -150,13 +158,14 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!(
-            "target {} on {}, drafter {} (max draft {}{}), {} greedy tokens per prompt",
+            "target {} on {}, drafter {} (max draft {}{}), {} greedy tokens per prompt, median of {} passes",
             loaded.dir.display(),
             backend.device_name(),
             report.drafter,
             report.max_draft,
             if report.adaptive { ", adaptive" } else { "" },
-            report.max_tokens
+            report.max_tokens,
+            report.passes
         );
         print!("{}", report.table());
     }
