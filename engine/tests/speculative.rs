@@ -408,11 +408,13 @@ fn measured_agreement_spares_the_probes() {
     let out = auto_run(&loaded, &prompt, &mut drafter, 120, None);
     assert_eq!(out.tokens, truth[..120].to_vec());
     let h = &out.speculative.draft_histogram;
-    assert_eq!(h[6], 1, "one warm-up round: {h:?}");
+    // One warm-up round of one draft (α comes from the agreement, the round times a
+    // draft and a verify), where a drafter without agreement warms up with the maximum.
+    assert!(h[1] >= 1 && h[6] == 0, "one short warm-up round: {h:?}");
     // Without agreement the same run probes at rounds 8, 24 and 56 (the test above);
     // one short round is still the controller's to choose, should plain steps time
     // badly on a loaded machine.
-    assert!(h[1..6].iter().sum::<usize>() <= 1, "no probes: {h:?}");
+    assert!(h[1..6].iter().sum::<usize>() <= 2, "no probes: {h:?}");
     assert!(h[0] >= out.speculative.target_forwards - 2, "{h:?}");
 }
 

@@ -19,9 +19,15 @@
 /// Exponential forgetting per observation, so the estimates follow a text whose
 /// predictability changes (a code block, then prose).
 const DECAY: f64 = 0.9;
-/// Rounds that draft the maximum before the model is trusted, for as long as they keep
-/// drafts: a warm-up round that keeps none has shown what more of them would.
+/// Warm-up rounds, which draft the maximum (or [`MEASURED_WARMUP_DRAFTS`]) before the
+/// model is trusted, for as long as they keep drafts: a warm-up round that keeps none
+/// has shown what more of them would.
 const WARMUP_ROUNDS: usize = 3;
+/// Drafts of a warm-up round when the drafter measures its agreement: then the warm-up
+/// is there to time a draft and a verify, which one draft does, while α comes from the
+/// agreement. A warm-up round of the maximum, where drafts do not pay, costs as many
+/// draft steps and a wide verify, several plain steps' worth (docs/benchmarks.md).
+const MEASURED_WARMUP_DRAFTS: usize = 1;
 /// Every this many rounds, one round tries a neighbour of the best k, so both cost fits
 /// see more than one width and α keeps being measured when k = 0 looks best.
 const PROBE_EVERY: usize = 8;
@@ -179,8 +185,14 @@ impl DraftLength {
     /// in flight is observed: the choice then lags one observation behind.
     pub fn next(&self, limit: usize) -> usize {
         let cap = self.max.min(limit);
-        if !self.adaptive || !self.warmed_up {
+        if !self.adaptive {
             return cap;
+        }
+        if !self.warmed_up {
+            return match self.agreement_measured {
+                true => cap.min(MEASURED_WARMUP_DRAFTS),
+                false => cap,
+            };
         }
         // What drafting is weighed against: plain decoding's own step, measured once.
         if self.plain.n < 1e-9 {
@@ -430,7 +442,7 @@ mod tests {
     fn measured_agreement_replaces_the_probes() {
         let verify = |w: usize| 0.01 + 0.0001 * w as f64;
         let ks = simulate_with_agreement(PROBE_EVERY_MAX, |_| 0.0, 0.005, verify, 0.004);
-        assert_eq!(ks[0], 8, "a warm-up round drafts the maximum: {ks:?}");
+        assert_eq!(ks[0], 1, "a warm-up round drafts one token: {ks:?}");
         assert!(ks[1..].iter().all(|&k| k == 0), "{ks:?}");
         // Without agreement the same drafter is probed again and again.
         let probed = simulate(8, PROBE_EVERY_MAX, 0.0, 0.005, verify);
@@ -442,6 +454,15 @@ mod tests {
         let long = simulate_with_agreement(3 * PROBE_EVERY_MAX, |_| 0.0, 0.005, verify, 0.004);
         let probes = long[1..].iter().filter(|&&k| k > 0).count();
         assert!((1..=3).contains(&probes), "{probes} probes: {long:?}");
+    }
+
+    /// Good drafts from a drafter that measures its agreement: a short warm-up (one draft
+    /// a round, for as long as rounds keep it), then the maximum.
+    #[test]
+    fn measured_agreement_warms_up_short_then_drafts_what_pays() {
+        let ks = simulate_with_agreement(60, |_| 0.95, 0.0001, |_| 0.005, 0.004);
+        assert_eq!(ks[..WARMUP_ROUNDS], [1; WARMUP_ROUNDS], "{ks:?}");
+        assert_eq!(most_common(&ks[10..]), 8, "{ks:?}");
     }
 
     /// A text that turns predictable while decoding plainly: the agreement the drafter
