@@ -10,12 +10,7 @@ D=/tmp/models-random/qwen05
 g() { local bin=$1; shift; $bin generate --target $T --prompt "$P" --max-tokens 384 --json "$@" 2>>$OUT/stderr.txt | python3 -c 'import json,sys; d=json.load(sys.stdin); s=d["stats"]; sp=d.get("speculative") or {}; print(round(s["decode_tokens_per_second"],1), s["generated_tokens"], sp.get("tau"), "prefill_ms", round(s["prefill_seconds"]*1e3,1))'; }
 bench() { python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["report"]; print(sys.argv[2], "plain", round(r["plain_tokens_per_second"],1), "spec", round(r["speculative_tokens_per_second"],1), "ratio", round(r["speedup"],3), "per prompt", [round(x["speedup"],2) for x in r["rows"]], "near_ties", r["near_ties"], "real_mismatches", r["real_mismatches"])' "$@"; }
 for S in "$@"; do
-  for n in $S qwen05; do
-    if [ ! -d /tmp/models-random/$n ]; then
-      xz -dc .gpu/bench/tokenizer.json.xz > .gpu/bench/$n/tokenizer.json
-      python3 scripts/random_weights.py .gpu/bench/$n /tmp/models-random/$n --seed 0 2>/dev/null | tail -1
-    fi
-  done
+  bash scripts/gpu-random-models.sh $S qwen05
   T=/tmp/models-random/$S
   g /tmp/dspec-b > /dev/null
   for i in 1 2 3; do

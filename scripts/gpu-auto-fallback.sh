@@ -8,12 +8,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu-auto}; mkdir -p "$OUT"
 eval "$(bash .gpu/setup.sh)"
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
-for n in qwen15 qwen05 qwen7b; do
-  if [ ! -d /tmp/models-random/$n ]; then
-    xz -dc .gpu/bench/tokenizer.json.xz > .gpu/bench/$n/tokenizer.json
-    python3 scripts/random_weights.py .gpu/bench/$n /tmp/models-random/$n --seed 0 2>/dev/null | tail -1
-  fi
-done
+bash scripts/gpu-random-models.sh qwen15 qwen05 qwen7b
 D=/tmp/models-random/qwen05
 P="Write a Python function that parses a CSV file of sales records and returns the total per region, with tests."
 g() { /tmp/dspec generate --target $T --prompt "$P" --max-tokens 384 --json "$@" 2>>$OUT/stderr.txt | python3 -c 'import json,sys; d=json.load(sys.stdin); s=d["stats"]; sp=d.get("speculative") or {}; print(round(s["decode_tokens_per_second"],1), s["generated_tokens"], sp.get("tau"))'; }

@@ -11,12 +11,7 @@ PASSES=${PASSES:-5}
 eval "$(bash .gpu/setup.sh)"
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
 R=/tmp/models-random
-for n in qwen7b qwen15 qwen05; do
-  if [ ! -d $R/$n ]; then
-    xz -dc .gpu/bench/tokenizer.json.xz > .gpu/bench/$n/tokenizer.json
-    python3 scripts/random_weights.py .gpu/bench/$n $R/$n --seed 0 2>/dev/null | tail -1
-  fi
-done
+bash scripts/gpu-random-models.sh qwen7b qwen15 qwen05
 bench() {
   local name=$1; shift
   echo "== $name"

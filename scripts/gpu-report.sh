@@ -20,12 +20,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [ "$1" = "--random" ]; then
   name=$2; shift 2
-  for n in "$name" qwen05; do
-    if [ ! -d "/tmp/models-random/$n" ]; then
-      xz -dc .gpu/bench/tokenizer.json.xz > ".gpu/bench/$n/tokenizer.json"
-      python3 scripts/random_weights.py ".gpu/bench/$n" "/tmp/models-random/$n" --seed 0 | tail -1
-    fi
-  done
+  bash scripts/gpu-random-models.sh "$name" qwen05
   target=/tmp/models-random/$name draft=/tmp/models-random/qwen05
 else
   target=$1 draft=$2; shift 2

@@ -10,12 +10,7 @@ OUT=${OUT:-/tmp/gpu-tp-2gpu}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 eval "$(bash .gpu/setup.sh)"
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
-for n in qwen7b qwen05; do
-  if [ ! -d /tmp/models-random/$n ]; then
-    xz -dc .gpu/bench/tokenizer.json.xz > .gpu/bench/$n/tokenizer.json
-    python3 scripts/random_weights.py .gpu/bench/$n /tmp/models-random/$n --seed 0 2>/dev/null | tail -1
-  fi
-done
+bash scripts/gpu-random-models.sh qwen7b qwen05
 T=/tmp/models-random/qwen7b
 P="Write a Python function that parses a CSV file of sales records and returns the total per region, with tests."
 summary() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); s=d["stats"]; print(sys.argv[2], round(s["decode_tokens_per_second"],1), "tok/s", s["generated_tokens"], "tokens", "tokens_sha", __import__("hashlib").sha1(str(d["tokens"]).encode()).hexdigest()[:12])' "$@"; }

@@ -241,17 +241,24 @@ fn generate_args<'a>(target: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     args
 }
 
+/// A target whose heads split over 2 and 3 ranks, a draft model, and the `--drafter`
+/// argument naming it.
+fn target_and_draft() -> (tempfile::TempDir, tempfile::TempDir, String) {
+    let target = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(target.path(), SPLITTABLE, 5).expect("target");
+    let draft = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(draft.path(), "{}", 9).expect("draft model");
+    let draft_arg = format!("model:{}", path_str(draft.path()));
+    (target, draft, draft_arg)
+}
+
 /// The tentpole: rank 0 of a 2- and a 3-rank group prints exactly the tokens one
 /// process generates (f32 on the CPU), the other ranks print nothing, for plain greedy
 /// decoding, n-gram and draft-model speculation, and seeded sampling with a draft model
 /// (every rank draws with the same seed from logits that are the same bits on every rank).
 #[test]
 fn two_and_three_ranks_generate_what_one_process_does() {
-    let target = tempfile::tempdir().expect("temp dir");
-    write_tiny_model(target.path(), SPLITTABLE, 5).expect("target");
-    let draft = tempfile::tempdir().expect("temp dir");
-    write_tiny_model(draft.path(), "{}", 9).expect("draft model");
-    let draft_arg = format!("model:{}", path_str(draft.path()));
+    let (target, _draft, draft_arg) = target_and_draft();
     let modes: Vec<(&str, Vec<&str>)> = vec![
         ("plain greedy", vec![]),
         ("n-gram", vec!["--drafter", "ngram", "--max-draft", "4"]),
@@ -707,11 +714,7 @@ fn completion(prompt: &str, max_tokens: u64, sampling: Value) -> Value {
 /// next request would find).
 #[test]
 fn ranks_serve_what_one_process_serves() {
-    let target = tempfile::tempdir().expect("temp dir");
-    write_tiny_model(target.path(), SPLITTABLE, 5).expect("target");
-    let draft = tempfile::tempdir().expect("temp dir");
-    write_tiny_model(draft.path(), "{}", 9).expect("draft model");
-    let draft_arg = format!("model:{}", path_str(draft.path()));
+    let (target, _draft, draft_arg) = target_and_draft();
     let t = path_str(target.path());
     let extended = format!("{PROMPT} and rename f to g too");
     let requests = [

@@ -386,17 +386,23 @@ fn auto_run<'a>(
     .unwrap()
 }
 
-/// A drafter that reports how its guesses fare on plain steps' tokens spares the
-/// generation its probes: with drafts that are never kept, one warm-up round drafts and
-/// every other round is a plain step, and the output is plain greedy's.
-#[test]
-fn measured_agreement_spares_the_probes() {
-    let (_dir, loaded) = load("{}", 23);
+/// The target, prompt and plain greedy tokens of the tests whose drafts are never kept.
+fn never_paying() -> (tempfile::TempDir, LoadedModel, Vec<u32>, Vec<u32>) {
+    let (dir, loaded) = load("{}", 23);
     let prompt = loaded
         .tokenizer
         .encode_prompt("drafts that never pay", false)
         .unwrap();
     let truth = greedy(&loaded, &prompt, 130);
+    (dir, loaded, prompt, truth)
+}
+
+/// A drafter that reports how its guesses fare on plain steps' tokens spares the
+/// generation its probes: with drafts that are never kept, one warm-up round drafts and
+/// every other round is a plain step, and the output is plain greedy's.
+#[test]
+fn measured_agreement_spares_the_probes() {
+    let (_dir, loaded, prompt, truth) = never_paying();
     // Drafting dear enough that, once the warm-up kept nothing, even one draft does not
     // look worth a round before the first agreement arrives, even where a loaded machine
     // makes plain steps look dear for a while.
@@ -424,12 +430,7 @@ fn measured_agreement_spares_the_probes() {
 /// plain steps in batches, and the output is plain greedy's token for token.
 #[test]
 fn auto_draft_length_decodes_plainly_while_drafts_fail() {
-    let (_dir, loaded) = load("{}", 23);
-    let prompt = loaded
-        .tokenizer
-        .encode_prompt("drafts that never pay", false)
-        .unwrap();
-    let truth = greedy(&loaded, &prompt, 130);
+    let (_dir, loaded, prompt, truth) = never_paying();
     let mut drafter = NoisyOracle {
         propose_cost: Duration::from_millis(3),
         ..NoisyOracle::always_wrong(&truth)

@@ -275,6 +275,16 @@ impl DraftLength {
 mod tests {
     use super::*;
 
+    /// A fixed pseudo-random stream (xorshift) of numbers in [0, 1).
+    fn uniform_stream(mut state: u64) -> impl FnMut() -> f64 {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+
     /// Feeds `rounds` simulated rounds in which each draft is kept with chance `alpha`
     /// (given the one before was; a fixed pseudo-random stream), drafting costs `draft_s`
     /// a token and a verify of width w costs `verify(w)`; returns the lengths chosen.
@@ -299,13 +309,7 @@ mod tests {
         ahead: bool,
     ) -> Vec<usize> {
         let mut control = DraftLength::new(max, true);
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut uniform = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 11) as f64 / (1u64 << 53) as f64
-        };
+        let mut uniform = uniform_stream(0x2545_f491_4f6c_dd1du64);
         let mut chosen = Vec::new();
         let mut planned = None;
         for _ in 0..rounds {
@@ -412,13 +416,7 @@ mod tests {
     ) -> Vec<usize> {
         let mut control = DraftLength::new(8, true);
         control.set_agreement_measured();
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut uniform = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 11) as f64 / (1u64 << 53) as f64
-        };
+        let mut uniform = uniform_stream(0x9e37_79b9_7f4a_7c15u64);
         let mut chosen = Vec::new();
         for i in 0..rounds {
             let k = control.next(usize::MAX);
