@@ -3,6 +3,7 @@
 //! holds the target-context injection DFlash and DSpark share.
 
 mod context;
+pub mod copy_alignment;
 pub mod dflash;
 pub mod draft_model;
 pub mod draft_thread;
