@@ -7,8 +7,12 @@
 #           the machine stays warm), after one run that carried .gpu (with the wheels in .gpu/py).
 # This joins the parts, checks each file's sha256 (fetch-models.sh --sha), converts both
 # with `dspec convert` (bf16) and runs scripts/gpu-report.sh on them.
-# Usage: bash scripts/gpu-real.sh [--check] [ARGS for bench_gpu.py...]
+# Usage: bash scripts/gpu-real.sh [--check | --edit] [ARGS for bench_gpu.py...]
 #   --check: convert and run a short dspec-only equality check on whatever has arrived.
+#   --edit:  the lines that need only some of the pair, against dspec's own plain decoding
+#            (`dspec bench`, PASSES passes, default 5): n-gram on the long edit prompt
+#            (max-draft 16 and auto:16) once the 1.5B target has arrived, and the draft
+#            model under auto on the built-in prompts once the 0.5B has too.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
@@ -39,6 +43,23 @@ if [ "${1:-}" = "--check" ]; then
           | tee -a "$OUT/check.log"
     done
   done
+  exit
+fi
+if [ "${1:-}" = "--edit" ]; then
+  passes=${PASSES:-5}
+  python3 -c 'import json, sys; sys.path.insert(0, "scripts"); from gpu_report import EDIT_PROMPT
+print(json.dumps({"prompt": EDIT_PROMPT}))' > /tmp/edit.jsonl
+  if [ -d "$MODELS/qwen15" ]; then
+    for max in 16 auto:16; do
+      /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft "$max" \
+          --max-tokens 320 --passes "$passes" --prompts /tmp/edit.jsonl --prefill-runs 0 \
+          --json > "$OUT/ngram-edit-${max/:/-}.json"
+    done
+  fi
+  if [ -d "$MODELS/qwen15" ] && [ -d "$MODELS/qwen05" ]; then
+    /tmp/dspec bench --target "$MODELS/qwen15" --drafter "model:$MODELS/qwen05" \
+        --max-draft auto --max-tokens 256 --passes "$passes" --json > "$OUT/draft-model-auto.json"
+  fi
   exit
 fi
 exec bash scripts/gpu-report.sh "$MODELS/qwen15" "$MODELS/qwen05" "$@"
