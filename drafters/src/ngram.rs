@@ -13,7 +13,8 @@ use dspec_plugin_api::{
 
 use crate::copy_alignment::{continue_copy, copy, Alignment, EditMemory};
 
-/// Kept drafts of a lookup after which the output is taken to be copying its source.
+/// Tokens in a row that continue a lookup's match after which the output is taken to be
+/// copying from there.
 const ADOPT_AFTER: usize = 2;
 
 /// Where the continuation of the most recent earlier match of the history's last `n`
@@ -44,12 +45,6 @@ pub fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32
     }
 }
 
-/// What a lookup drafts, and where its first token was copied from.
-struct Found {
-    tokens: Vec<u32>,
-    source: Option<usize>,
-}
-
 /// The prompt-lookup drafter over prompt + committed output.
 pub struct NgramDrafter {
     n: usize,
@@ -57,9 +52,10 @@ pub struct NgramDrafter {
     /// What part of the history the output is copying, followed over every token fed.
     alignment: Alignment,
     edits: EditMemory,
-    /// Where the last proposal's drafts were copied from when a lookup found them: the
-    /// copy followed from there once enough of them are kept.
-    draft_source: Option<usize>,
+    /// While no copy is followed: where the latest match's continuation goes on, and how
+    /// many tokens in a row have followed it (drafted and kept, or fed by plain steps
+    /// alike): at [`ADOPT_AFTER`] the copy is followed from there.
+    candidate: Option<(usize, usize)>,
     /// Whether the commits arriving are plain steps' (after a propose of no drafts),
     /// whose tokens are checked against what a lookup would have proposed.
     plain: bool,
@@ -74,7 +70,7 @@ impl NgramDrafter {
             history: Vec::new(),
             alignment: Alignment::default(),
             edits: EditMemory::default(),
-            draft_source: None,
+            candidate: None,
             plain: false,
             agreement: Agreement::default(),
         }
@@ -83,31 +79,37 @@ impl NgramDrafter {
     /// Up to `max_k` drafts after `history` (the newest token included), the output's
     /// source being `alignment`: the aligned copy when it has one, else the latest
     /// match's continuation with the remembered edits applied.
-    fn lookup(&self, history: &[u32], alignment: &Alignment, max_k: usize) -> Found {
+    fn lookup(&self, history: &[u32], alignment: &Alignment, max_k: usize) -> Vec<u32> {
         if let Some(tokens) = continue_copy(history, alignment, &self.edits, max_k) {
-            return Found {
-                tokens,
-                source: None,
-            };
+            return tokens;
         }
         match latest_continuation(history, self.n, 1) {
-            Some(from) => Found {
-                tokens: copy(history, from, &[], &self.edits, max_k),
-                source: Some(from),
-            },
-            None => Found {
-                tokens: Vec::new(),
-                source: None,
-            },
+            Some(from) => copy(history, from, &[], &self.edits, max_k),
+            None => Vec::new(),
         }
     }
 
-    /// Feeds one token to the history, following the copy and learning its edits.
+    /// Feeds one token to the history: follows the copy (learning its edits), or the
+    /// latest match until enough tokens in a row have continued it.
     fn push(&mut self, token: u32) {
+        let followed = match self.candidate {
+            Some((at, run)) if self.history.get(at) == Some(&token) => Some((at, run + 1)),
+            _ => None,
+        };
+        if let Some((at, ADOPT_AFTER..)) = followed {
+            if !self.alignment.is_copying() {
+                self.alignment = Alignment::copying_from(at);
+            }
+        }
         if let Some(edit) = self.alignment.advance(&self.history, token, &self.edits) {
             self.edits.learn(edit);
         }
         self.history.push(token);
+        self.candidate = match (self.alignment.is_copying(), followed) {
+            (true, _) => None,
+            (false, Some((at, run))) => Some((at + 1, run)),
+            (false, None) => latest_continuation(&self.history, self.n, 1).map(|at| (at, 0)),
+        };
     }
 }
 
@@ -125,7 +127,7 @@ impl Drafter for NgramDrafter {
         self.history = prompt.to_vec();
         self.alignment = Alignment::default();
         self.edits = EditMemory::default();
-        self.draft_source = None;
+        self.candidate = latest_continuation(&self.history, self.n, 1).map(|at| (at, 0));
         self.plain = false;
         self.agreement = Agreement::default();
         Ok(())
@@ -139,7 +141,6 @@ impl Drafter for NgramDrafter {
         _picker: &mut dyn TokenPicker,
     ) -> Result<Draft> {
         self.plain = max_k == 0;
-        self.draft_source = None;
         if self.plain {
             return Ok(Draft::default());
         }
@@ -147,35 +148,23 @@ impl Drafter for NgramDrafter {
         let mut alignment = self.alignment;
         alignment.advance(&self.history, last, &self.edits);
         self.history.push(last);
-        let found = self.lookup(&self.history, &alignment, max_k);
+        let tokens = self.lookup(&self.history, &alignment, max_k);
         self.history.pop();
-        self.draft_source = found.source;
         Ok(Draft {
-            tokens: found.tokens,
+            tokens,
             probs: None,
         })
     }
 
     fn commit(&mut self, verified: &[u32], _hidden: Option<&Array>) -> Result<()> {
-        // `verified` is the fed token and the kept drafts: enough kept drafts of a lookup
-        // mean the output copies that source, followed from the first draft on.
-        let adopt = match self.draft_source.take() {
-            Some(source) if !self.alignment.is_copying() && verified.len() > ADOPT_AFTER => {
-                Some(source)
-            }
-            _ => None,
-        };
-        for (i, &token) in verified.iter().enumerate() {
+        for &token in verified {
             // A lookup per plain step: what a round of one draft would have proposed.
             if self.plain {
-                let guess = self.lookup(&self.history, &self.alignment, 1).tokens;
+                let guess = self.lookup(&self.history, &self.alignment, 1);
                 self.agreement.add(Agreement {
                     agreed: usize::from(guess.first() == Some(&token)),
                     checked: 1,
                 });
-            }
-            if let (1, Some(source)) = (i, adopt) {
-                self.alignment = Alignment::copying_from(source);
             }
             self.push(token);
         }
@@ -418,5 +407,45 @@ mod tests {
             last = next(6) as u32;
         }
         assert!(d.agreement().is_some_and(|a| a.checked > 0));
+    }
+
+    /// Plain steps (no drafts) are followed as drafted rounds are: the copy is taken up
+    /// and its edits learned from the tokens alone, so the agreement that decides
+    /// whether to draft (`--max-draft auto`) is the copy's, and the first round drafted
+    /// afterwards continues it, the edit applied.
+    #[test]
+    fn plain_steps_take_up_the_copy_and_its_edits() {
+        let (_dir, target) = tiny_target();
+        let t = target.as_ref();
+        let body: Vec<u32> = (0..48)
+            .map(|i| if i % 6 == 3 { 7 } else { 100 + i })
+            .collect();
+        let prompt: Vec<u32> = [1, 5, 6].into_iter().chain(body.clone()).collect();
+        let output: Vec<u32> = body
+            .iter()
+            .flat_map(|&t| if t == 7 { vec![70, 71] } else { vec![t] })
+            .collect();
+        let mut d = NgramDrafter::new(3);
+        d.begin(t, &prompt, None).unwrap();
+        assert!(d
+            .propose(t, output[0], 0, &mut NoPicker)
+            .unwrap()
+            .tokens
+            .is_empty());
+        // Two thirds of the output through plain steps, told in two commits.
+        let told = 2 * output.len() / 3;
+        d.commit(&output[..20], None).unwrap();
+        d.commit(&output[20..told], None).unwrap();
+        let Agreement { agreed, checked } = d.agreement().unwrap();
+        assert_eq!(checked, told);
+        // Missed only before the copy is taken up and around the first rename, before
+        // its edit is learned: four tokens. The latest-match lookup misses at every
+        // renamed name.
+        assert!(agreed + 4 >= told, "{agreed} of {told}");
+        let drafts = d
+            .propose(t, output[told], 12, &mut NoPicker)
+            .unwrap()
+            .tokens;
+        assert_eq!(drafts, output[told + 1..told + 13].to_vec());
     }
 }
