@@ -11,8 +11,9 @@
 #   --check: convert and run a short dspec-only equality check on whatever has arrived.
 #   --edit:  the lines that need only some of the pair, against dspec's own plain decoding
 #            (`dspec bench`, PASSES passes, default 5): n-gram on the long edit prompt
-#            (max-draft 16 and auto:16) once the 1.5B target has arrived, and the draft
-#            model under auto on the built-in prompts once the 0.5B has too.
+#            (max-draft 16 and auto:16) and under auto on the built-in prompts once the
+#            1.5B target has arrived, and the draft model under auto on the built-in
+#            prompts once the 0.5B has too.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
@@ -55,6 +56,8 @@ print(json.dumps({"prompt": EDIT_PROMPT}))' > /tmp/edit.jsonl
           --max-tokens 320 --passes "$passes" --prompts /tmp/edit.jsonl --prefill-runs 0 \
           --json > "$OUT/ngram-edit-${max/:/-}.json"
     done
+    /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft auto \
+        --max-tokens 256 --passes "$passes" --prefill-runs 0 --json > "$OUT/ngram-auto.json"
   fi
   if [ -d "$MODELS/qwen15" ] && [ -d "$MODELS/qwen05" ]; then
     /tmp/dspec bench --target "$MODELS/qwen15" --drafter "model:$MODELS/qwen05" \

@@ -45,6 +45,8 @@ struct LineFit {
     sy: f64,
     sxx: f64,
     sxy: f64,
+    /// The largest x observed.
+    widest: f64,
 }
 
 impl LineFit {
@@ -63,15 +65,25 @@ impl LineFit {
         self.sy += y;
         self.sxx += x * x;
         self.sxy += x * y;
+        self.widest = self.widest.max(x);
     }
 
     /// The fitted value at `x`. With (nearly) one x seen so far the slope is unknown:
     /// `through_origin` then scales the mean proportionally (draft cost ∝ tokens drafted),
-    /// otherwise the line is flat (a verify costs what the widths seen cost).
+    /// otherwise the line is flat (a verify costs what the widths seen cost). Without
+    /// `through_origin` the line also stops at the widest x seen: a verify wider than
+    /// any measured is taken to cost what the widest did, so one round measures it. A
+    /// slope fitted on widths 1 and 2 alone and carried to 17 would rule out every wide
+    /// round on a device whose verify cost is flat in width but noisy (a GPU bound by
+    /// the host), and no wide round would ever come to correct it.
     fn predict(&self, x: f64, through_origin: bool) -> Option<f64> {
         if self.n < 1e-9 {
             return None;
         }
+        let x = match through_origin {
+            true => x,
+            false => x.min(self.widest),
+        };
         let (mx, my) = (self.sx / self.n, self.sy / self.n);
         let var = self.sxx / self.n - mx * mx;
         let y = if var > 0.05 {
@@ -512,6 +524,39 @@ mod tests {
         assert_eq!(control.next(usize::MAX), 0);
     }
 
+    /// The start of an edit on a GPU: two rounds whose lookup found nothing (verifies of
+    /// width 1), a warm-up round of one draft that was rejected (a verify of width 2, a
+    /// little dearer by noise), then plain steps whose tokens the drafter would have
+    /// guessed nine times in ten. A verify costs the same at every width. Drafting must
+    /// come back, and wide: a slope fitted on widths 1 and 2 must not price a verify of
+    /// 17 out of reach before one is measured.
+    #[test]
+    fn a_verify_wider_than_any_seen_is_tried_before_it_is_ruled_out() {
+        let verify = |w: usize| if w == 2 { 0.0085 } else { 0.007 };
+        let mut control = DraftLength::new(16, true);
+        control.set_agreement_measured();
+        control.observe_empty(verify(1));
+        control.observe_empty(verify(1));
+        assert_eq!(control.next(usize::MAX), MEASURED_WARMUP_DRAFTS);
+        control.observe(1, 0, 0.0, verify(2));
+        let mut uniform = uniform_stream(0x5151_7e2f_00d1_a5edu64);
+        let mut chosen = Vec::new();
+        for _ in 0..64 {
+            let k = control.next(usize::MAX);
+            chosen.push(k);
+            if k == 0 {
+                control.observe(0, 0, 0.0, 0.003);
+                control.observe_agreement(usize::from(uniform() < 0.9), 1);
+            } else {
+                let kept = (0..k).take_while(|_| uniform() < 0.9).count();
+                control.observe(k, kept, 0.0, verify(k + 1));
+            }
+        }
+        let first = chosen.iter().position(|&k| k > 0);
+        assert!(first.is_some_and(|i| i < 16), "{chosen:?}");
+        assert!(most_common(&chosen[32..]) >= 8, "{chosen:?}");
+    }
+
     #[test]
     fn fixed_length_is_the_maximum_within_the_limit() {
         let mut control = DraftLength::new(5, false);
@@ -527,7 +572,10 @@ mod tests {
         for w in 1..=6 {
             fit.observe(w as f64, 2.0 + 3.0 * w as f64);
         }
-        assert!((fit.predict(10.0, false).unwrap() - 32.0).abs() < 1e-6);
+        assert!((fit.predict(5.0, false).unwrap() - 17.0).abs() < 1e-6);
+        assert!((fit.predict(10.0, true).unwrap() - 32.0).abs() < 1e-6);
+        // A verify past the widest seen is priced at the widest.
+        assert!((fit.predict(10.0, false).unwrap() - 20.0).abs() < 1e-6);
         let mut one_width = LineFit::default();
         one_width.observe(4.0, 8.0);
         assert!((one_width.predict(2.0, true).unwrap() - 4.0).abs() < 1e-9);
