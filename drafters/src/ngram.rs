@@ -186,7 +186,7 @@ fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
 inventory::submit! {
     DrafterRegistration {
         kind: "ngram",
-        summary: "prompt lookup: continues the latest earlier match of the last n tokens (--ngram N)",
+        summary: "prompt lookup: continues the latest earlier match of the last n tokens (--ngram N), following an output that copies its input through its edits",
         detect: |_| false,
         by_name: true,
         load,
