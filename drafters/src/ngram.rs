@@ -11,7 +11,7 @@ use dspec_plugin_api::{
     TokenPicker,
 };
 
-use crate::copy_alignment::{continue_copy, copy, Alignment, EditMemory};
+use crate::copy_alignment::{continue_copy, copy, Alignment, Edit, EditMemory};
 
 /// Tokens in a row that continue a lookup's match after which the output is taken to be
 /// copying from there.
@@ -36,26 +36,23 @@ fn latest_continuation(history: &[u32], n: usize, min_n: usize) -> Option<usize>
     None
 }
 
-/// Finds the continuation of the most recent earlier match of the history's last `n`
-/// tokens (trying `n`, then shorter suffixes down to `min_n`), up to `max_k` tokens.
-pub fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32> {
-    match latest_continuation(history, n, min_n) {
-        Some(from) if max_k > 0 => history[from..(from + max_k).min(history.len())].to_vec(),
-        _ => Vec::new(),
-    }
+/// Where drafts come from, followed over every token fed.
+#[derive(Debug, Clone, Copy, Default)]
+struct Tracking {
+    /// What part of the history the output is copying.
+    alignment: Alignment,
+    /// While no copy is followed: where the latest match's continuation goes on, and how
+    /// many tokens in a row have followed it (drafted and kept, or fed by plain steps
+    /// alike): at [`ADOPT_AFTER`] the copy is followed from there.
+    candidate: Option<(usize, usize)>,
 }
 
 /// The prompt-lookup drafter over prompt + committed output.
 pub struct NgramDrafter {
     n: usize,
     history: Vec<u32>,
-    /// What part of the history the output is copying, followed over every token fed.
-    alignment: Alignment,
+    tracking: Tracking,
     edits: EditMemory,
-    /// While no copy is followed: where the latest match's continuation goes on, and how
-    /// many tokens in a row have followed it (drafted and kept, or fed by plain steps
-    /// alike): at [`ADOPT_AFTER`] the copy is followed from there.
-    candidate: Option<(usize, usize)>,
     /// Whether the commits arriving are plain steps' (after a propose of no drafts),
     /// whose tokens are checked against what a lookup would have proposed.
     plain: bool,
@@ -68,48 +65,72 @@ impl NgramDrafter {
         Self {
             n: n.max(1),
             history: Vec::new(),
-            alignment: Alignment::default(),
+            tracking: Tracking::default(),
             edits: EditMemory::default(),
-            candidate: None,
             plain: false,
             agreement: Agreement::default(),
         }
     }
 
-    /// Up to `max_k` drafts after `history` (the newest token included), the output's
-    /// source being `alignment`: the aligned copy when it has one, else the latest
-    /// match's continuation with the remembered edits applied.
-    fn lookup(&self, history: &[u32], alignment: &Alignment, max_k: usize) -> Vec<u32> {
+    /// Up to `max_k` drafts after `history` (the newest token included), drafts coming
+    /// from `tracking` as it stands there: the aligned copy when it has something, else
+    /// the latest match's continuation, with the remembered edits applied.
+    fn lookup(&self, history: &[u32], tracking: &Tracking, max_k: usize) -> Vec<u32> {
+        let alignment = &tracking.alignment;
         if let Some(tokens) = continue_copy(history, alignment, &self.edits, max_k) {
             return tokens;
         }
-        match latest_continuation(history, self.n, 1) {
-            Some(from) => copy(history, from, &[], &self.edits, max_k),
-            None => Vec::new(),
-        }
+        // The candidate is the latest match while no copy is followed; a copy that has
+        // nothing to continue (the output still off its source) looks one up afresh.
+        let from = match alignment.is_copying() {
+            false => tracking.candidate.map(|(at, _)| at),
+            true => latest_continuation(history, self.n, 1),
+        };
+        from.map_or_else(Vec::new, |from| {
+            copy(history, from, &[], &self.edits, max_k)
+        })
     }
 
-    /// Feeds one token to the history: follows the copy (learning its edits), or the
-    /// latest match until enough tokens in a row have continued it.
-    fn push(&mut self, token: u32) {
-        let followed = match self.candidate {
-            Some((at, run)) if self.history.get(at) == Some(&token) => Some((at, run + 1)),
+    /// `tracking` followed over the newest token of `history`, and the edit that token
+    /// completed, if any (see [`Alignment::advance`]).
+    fn track(&self, history: &[u32], tracking: Tracking) -> (Tracking, Option<Edit>) {
+        let Some((&token, before)) = history.split_last() else {
+            return (tracking, None);
+        };
+        let followed = match tracking.candidate {
+            Some((at, run)) if before.get(at) == Some(&token) => Some((at, run + 1)),
             _ => None,
         };
+        let mut alignment = tracking.alignment;
         if let Some((at, ADOPT_AFTER..)) = followed {
-            if !self.alignment.is_copying() {
-                self.alignment = Alignment::copying_from(at);
+            if !alignment.is_copying() {
+                alignment = Alignment::copying_from(at);
             }
         }
-        if let Some(edit) = self.alignment.advance(&self.history, token, &self.edits) {
-            self.edits.learn(edit);
-        }
-        self.history.push(token);
-        self.candidate = match (self.alignment.is_copying(), followed) {
+        let edit = alignment.advance(before, token, &self.edits);
+        let candidate = match (alignment.is_copying(), followed) {
             (true, _) => None,
             (false, Some((at, run))) => Some((at + 1, run)),
-            (false, None) => latest_continuation(&self.history, self.n, 1).map(|at| (at, 0)),
+            (false, None) => latest_continuation(history, self.n, 1).map(|at| (at, 0)),
         };
+        (
+            Tracking {
+                alignment,
+                candidate,
+            },
+            edit,
+        )
+    }
+
+    /// Feeds one token to the history, following where drafts come from and learning
+    /// the copy's edits.
+    fn push(&mut self, token: u32) {
+        self.history.push(token);
+        let (tracking, edit) = self.track(&self.history, self.tracking);
+        self.tracking = tracking;
+        if let Some(edit) = edit {
+            self.edits.learn(edit);
+        }
     }
 }
 
@@ -125,9 +146,11 @@ impl Drafter for NgramDrafter {
         _hidden: Option<&Array>,
     ) -> Result<()> {
         self.history = prompt.to_vec();
-        self.alignment = Alignment::default();
+        self.tracking = Tracking {
+            alignment: Alignment::default(),
+            candidate: latest_continuation(&self.history, self.n, 1).map(|at| (at, 0)),
+        };
         self.edits = EditMemory::default();
-        self.candidate = latest_continuation(&self.history, self.n, 1).map(|at| (at, 0));
         self.plain = false;
         self.agreement = Agreement::default();
         Ok(())
@@ -144,11 +167,10 @@ impl Drafter for NgramDrafter {
         if self.plain {
             return Ok(Draft::default());
         }
-        // The copy as it stands once `last` is fed; `commit` follows it for good.
-        let mut alignment = self.alignment;
-        alignment.advance(&self.history, last, &self.edits);
+        // Where drafts come from once `last` is fed; `commit` follows it for good.
         self.history.push(last);
-        let tokens = self.lookup(&self.history, &alignment, max_k);
+        let (tracking, _) = self.track(&self.history, self.tracking);
+        let tokens = self.lookup(&self.history, &tracking, max_k);
         self.history.pop();
         Ok(Draft {
             tokens,
@@ -160,7 +182,7 @@ impl Drafter for NgramDrafter {
         for &token in verified {
             // A lookup per plain step: what a round of one draft would have proposed.
             if self.plain {
-                let guess = self.lookup(&self.history, &self.alignment, 1);
+                let guess = self.lookup(&self.history, &self.tracking, 1);
                 self.agreement.add(Agreement {
                     agreed: usize::from(guess.first() == Some(&token)),
                     checked: 1,
@@ -196,6 +218,14 @@ inventory::submit! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The latest-match lookup alone: up to `max_k` tokens of the continuation.
+    fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32> {
+        match latest_continuation(history, n, min_n) {
+            Some(from) if max_k > 0 => history[from..(from + max_k).min(history.len())].to_vec(),
+            _ => Vec::new(),
+        }
+    }
 
     #[test]
     fn continues_the_latest_match_of_the_suffix() {
