@@ -122,6 +122,12 @@ impl Alignment {
         self.anchor.is_some()
     }
 
+    /// Whether the output is writing its source as it stands: a copy, not left or
+    /// rejoined since.
+    pub fn is_in_step(&self) -> bool {
+        self.anchor.is_some() && self.departed.is_none()
+    }
+
     /// Follows `token`, written after `history`. Returns the edit `token` completed:
     /// one learned where the output came back to the source, or a remembered one the
     /// output made again.
@@ -176,10 +182,21 @@ impl Alignment {
 /// The earliest start in the window past `departed.source` where the newest tokens
 /// `written` since the departure (the longest run first, at most [`RESYNC_N`]) appear in
 /// the source: returns the start and the run's length, the copy resuming after it.
+///
+/// A run of one token is trusted only where the source it skips is at most one token
+/// longer than what the output wrote in its place (a replacement, an insertion, or one
+/// token dropped): a lone newline or indent recurs on every line, and matching it further
+/// on would move the copy past the line the output is still writing, from where no later
+/// resync (which looks forward only) could bring it back.
 fn resync(history: &[u32], departed: Departure, written: &[u32]) -> Option<(usize, usize)> {
     let end = (departed.source + RESYNC_WINDOW).min(departed.output);
     for size in (1..=written.len().min(RESYNC_N)).rev() {
         let newest = &written[written.len() - size..];
+        let replaced = written.len() - size;
+        let end = match size {
+            1 => end.min(departed.source + replaced + 2),
+            _ => end,
+        };
         let found = (departed.source..end)
             .take_while(|&start| start + size <= departed.output)
             .find(|&start| &history[start..start + size] == newest);
@@ -371,6 +388,42 @@ mod tests {
         }
         assert_eq!(edits.len(), MAX_EDITS);
         assert_eq!(edits.at(&[1], 0), Some(&kept));
+    }
+
+    /// A fence inserted before the copied code ends in a newline, which the source has
+    /// at the end of every line: matched there, it would carry the copy past the line
+    /// the output is about to write, and no later resync looks back. One token matches
+    /// only where the source it skips is about as long as what the output wrote.
+    #[test]
+    fn a_lone_common_token_does_not_carry_the_copy_past_the_line_being_written() {
+        const NL: u32 = 1;
+        const INDENT: u32 = 2;
+        let source = [
+            10, 11, 12, 13, 14, NL, INDENT, 20, 21, NL, INDENT, 30, 31, NL,
+        ];
+        let mut h = source.to_vec();
+        h.push(99);
+        let mut a = Alignment::copying_from(0);
+        let mut edits = EditMemory::default();
+        // "```python\n" before the code.
+        follow(&mut h, &mut a, &mut edits, &[50, 51, NL]);
+        assert_eq!(
+            continue_copy(&h, &a, &edits, 3),
+            None,
+            "no newline five tokens on"
+        );
+        follow(&mut h, &mut a, &mut edits, &[10]);
+        assert_eq!(continue_copy(&h, &a, &edits, 4), Some(vec![11, 12, 13, 14]));
+        assert!(edits.is_empty(), "an insertion replaces nothing: {edits:?}");
+        // A one-token replacement still rejoins at the next token.
+        follow(
+            &mut h,
+            &mut a,
+            &mut edits,
+            &[11, 12, 13, 14, NL, INDENT, 77, 21],
+        );
+        assert_eq!(continue_copy(&h, &a, &edits, 3), Some(vec![NL, INDENT, 30]));
+        assert_eq!(edits.at(&[20], 0).map(|e| e.to.clone()), Some(vec![77]));
     }
 
     #[test]

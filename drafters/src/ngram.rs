@@ -80,11 +80,12 @@ impl NgramDrafter {
         if let Some(tokens) = continue_copy(history, alignment, &self.edits, max_k) {
             return tokens;
         }
-        // The candidate is the latest match while no copy is followed; a copy that has
-        // nothing to continue (the output still off its source) looks one up afresh.
-        let from = match alignment.is_copying() {
-            false => tracking.candidate.map(|(at, _)| at),
-            true => latest_continuation(history, self.n, 1),
+        // The candidate is the latest match while the output is off its copy (or has
+        // none); a copy in step with nothing left to continue looks one up afresh.
+        let from = match tracking.candidate {
+            Some((at, _)) => Some(at),
+            None if alignment.is_in_step() => latest_continuation(history, self.n, 1),
+            None => None,
         };
         from.map_or_else(Vec::new, |from| {
             copy(history, from, &[], &self.edits, max_k)
@@ -102,13 +103,14 @@ impl NgramDrafter {
             _ => None,
         };
         let mut alignment = tracking.alignment;
-        if let Some((at, ADOPT_AFTER..)) = followed {
-            if !alignment.is_copying() {
-                alignment = Alignment::copying_from(at);
-            }
-        }
         let edit = alignment.advance(before, token, &self.edits);
-        let candidate = match (alignment.is_copying(), followed) {
+        // Off its copy (or with none), the output takes up the latest match once it has
+        // followed it long enough: a copy it left and did not rejoin nearby may go on
+        // from anywhere, earlier in the source included.
+        if let (false, Some((at, ADOPT_AFTER..))) = (alignment.is_in_step(), followed) {
+            alignment = Alignment::copying_from(at + 1);
+        }
+        let candidate = match (alignment.is_in_step(), followed) {
             (true, _) => None,
             (false, Some((at, run))) => Some((at + 1, run)),
             (false, None) => latest_continuation(history, self.n, 1).map(|at| (at, 0)),
@@ -195,6 +197,12 @@ impl Drafter for NgramDrafter {
 
     fn agreement(&mut self) -> Option<Agreement> {
         Some(std::mem::take(&mut self.agreement))
+    }
+
+    /// Each plain step's token as it comes: checking it is one lookup, and a copy the
+    /// output starts is worth drafting from its first tokens on.
+    fn plain_piece(&self) -> Option<usize> {
+        Some(1)
     }
 }
 
@@ -437,6 +445,49 @@ mod tests {
             last = next(6) as u32;
         }
         assert!(d.agreement().is_some_and(|a| a.checked > 0));
+    }
+
+    /// An output that leaves its copy and does not rejoin it nearby (here it starts the
+    /// copied text over) takes up the latest match once two tokens have followed it,
+    /// and learns the edits it makes there.
+    #[test]
+    fn a_copy_left_for_another_part_of_the_text_is_taken_up_there() {
+        let (_dir, target) = tiny_target();
+        let t = target.as_ref();
+        let source: Vec<u32> = (1..=20).collect();
+        // Prose after the code, so that where the output starts over is out of a
+        // resync's reach.
+        let mut prompt = vec![500];
+        prompt.extend(&source);
+        prompt.extend(600..630);
+        let mut d = NgramDrafter::new(3);
+        d.begin(t, &prompt, None).unwrap();
+        // Copies 1..=10, writes three tokens of its own, starts over at 3, and renames 6.
+        let output: Vec<u32> = (1..=10).chain([90, 91, 92, 3, 4, 5, 66, 7]).collect();
+        d.propose(t, output[0], 0, &mut NoPicker).unwrap();
+        d.commit(&output[..13], None).unwrap();
+        let left = d.tracking.alignment;
+        assert!(
+            left.is_copying() && !left.is_in_step(),
+            "left at 11: {left:?}"
+        );
+        // 3 starts a match, 4 and 5 follow it.
+        d.commit(&output[13..16], None).unwrap();
+        let taken_up = d.tracking.alignment;
+        assert!(taken_up.is_in_step(), "following 3 4 5 again: {taken_up:?}");
+        d.commit(&output[16..], None).unwrap();
+        assert_eq!(
+            d.edits.at(&[6], 0),
+            Some(&Edit {
+                from: vec![6],
+                to: vec![66]
+            })
+        );
+        // The copy taken up goes on after 8.
+        assert_eq!(
+            d.propose(t, 8, 2, &mut NoPicker).unwrap().tokens,
+            vec![9, 10]
+        );
     }
 
     /// Plain steps (no drafts) are followed as drafted rounds are: the copy is taken up

@@ -47,6 +47,8 @@ struct NoisyOracle {
     agreement: Option<Agreement>,
     /// Whether the commits coming are plain steps'.
     plain: bool,
+    /// What it answers to `Drafter::plain_piece`.
+    plain_piece: Option<usize>,
 }
 
 impl NoisyOracle {
@@ -63,6 +65,7 @@ impl NoisyOracle {
             propose_cost: Duration::ZERO,
             agreement: None,
             plain: false,
+            plain_piece: None,
         }
     }
 
@@ -138,6 +141,9 @@ impl Drafter for NoisyOracle {
     }
     fn agreement(&mut self) -> Option<Agreement> {
         self.agreement.as_mut().map(std::mem::take)
+    }
+    fn plain_piece(&self) -> Option<usize> {
+        self.plain_piece
     }
 }
 
@@ -488,4 +494,26 @@ fn auto_draft_length_decodes_plainly_while_drafts_fail() {
         .filter(|l| l["drafted"].as_array().is_some_and(|d| d.is_empty()))
         .count();
     assert_eq!(undrafted, plain);
+}
+
+/// A drafter that asks for plain steps' positions one at a time (as the n-gram drafter
+/// does, whose check of a token is one lookup) is told of each in a commit of its own, so
+/// its agreement reaches the draft-length controller as the steps come rather than a
+/// piece of a few dozen positions later. The output stays plain greedy's.
+#[test]
+fn a_drafter_may_take_plain_steps_one_by_one() {
+    let (_dir, loaded, prompt, truth) = never_paying();
+    let mut drafter = NoisyOracle {
+        agreement: Some(Agreement::default()),
+        plain_piece: Some(1),
+        ..NoisyOracle::always_wrong(&truth)
+    };
+    let out = auto_run(&loaded, &prompt, &mut drafter, 120, None);
+    assert_eq!(out.tokens, truth[..120].to_vec());
+    let s = &out.speculative;
+    assert_eq!(s.accepted_tokens, 0);
+    // Every round feeds one position (nothing drafted is kept), and every position
+    // reaches the drafter in a commit of one.
+    assert_eq!(drafter.longest_commit, 1);
+    assert_eq!(drafter.hidden_checks, s.target_forwards);
 }

@@ -112,8 +112,8 @@ pub trait Drafter: Send {
     /// A `propose` with `max_k` 0 starts rounds without drafts: the engine then decodes
     /// plainly for as long as drafts do not pay, and the positions of all those steps
     /// arrive in the `commit`s that follow, `[last, t1, t2, …]` split into consecutive
-    /// pieces of a few dozen positions, so a drafter does no work per plain step and may
-    /// read each piece while decoding goes on.
+    /// pieces of at most [`Self::plain_piece`] positions (by default a few dozen, so a
+    /// drafter does no work per plain step and may read each piece while decoding goes on).
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> Result<()>;
 
     /// How often the drafter's next-token guess matched the tokens committed by rounds
@@ -124,6 +124,15 @@ pub trait Drafter: Send {
     /// does not measure it, and the engine probes with a draft now and then instead.
     /// Counts may arrive late (a drafter reading in the background) but never twice.
     fn agreement(&mut self) -> Option<Agreement> {
+        None
+    }
+
+    /// The most plain steps' positions one `commit` carries; `None` leaves it to the
+    /// engine (a few dozen: a drafter that reads each piece in one forward of its own
+    /// wants them few). A drafter whose work per token is a host lookup asks for 1: its
+    /// agreement then reaches the engine as the steps come, and drafting resumes where a
+    /// copy begins rather than a piece later.
+    fn plain_piece(&self) -> Option<usize> {
         None
     }
 }

@@ -411,9 +411,10 @@ impl Rounds<'_, '_, '_> {
     /// Rounds without drafts, run as plain decoding for as long as the controller
     /// chooses none: two steps in flight (the next step's graph is built on the still
     /// lazy token, as [`crate::decoding::generate::generate`] does), one token read per step, and
-    /// no drafter work per step: the drafter is asked for no drafts once, and hears of
-    /// the positions the run fed in `commit`s of [`COMMIT_EVERY`] (the last one at the
-    /// run's end), which a drafter may read while the run goes on. Each step is a round to
+    /// the drafter asked for no drafts once. It hears of the positions the run fed in
+    /// `commit`s of [`COMMIT_EVERY`], which it may read while the run goes on, or of
+    /// [`Drafter::plain_piece`] when it asks for fewer (a lookup per token, then), the last
+    /// one at the run's end. Each step is a round to
     /// the controller, timed from token to token, so rounds without drafts are measured
     /// at plain decoding's pipelined speed and its probes keep coming. Returns the stop
     /// reason when generation ends, else the draft length chosen for the next round.
@@ -428,6 +429,10 @@ impl Rounds<'_, '_, '_> {
             },
         )?;
         self.tally.draft_time += t.elapsed();
+        let piece = self
+            .drafter
+            .plain_piece()
+            .map_or(COMMIT_EVERY, |p| p.clamp(1, COMMIT_EVERY));
         let mut fed = vec![self.last];
         let mut hidden = Vec::new();
         let mut current = self.queue_plain(&Array::from_slice(&[self.last], &[1, 1]))?;
@@ -478,7 +483,7 @@ impl Rounds<'_, '_, '_> {
                 (None, Some(step)) => {
                     // `fed` and `hidden` cover the same positions here: the token just
                     // read is fed by the step now in flight.
-                    if fed.len() >= COMMIT_EVERY {
+                    if fed.len() >= piece {
                         let hidden = concat_steps(std::mem::take(&mut hidden))?;
                         self.keep_hidden(hidden.as_ref());
                         self.drafter
