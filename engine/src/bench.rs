@@ -5,8 +5,11 @@
 //!
 //! Decode speed moves between runs of the same prompt in one process (on a GPU bound by
 //! the host's work, by more than the gains a drafter is judged on), so each prompt runs
-//! several passes, plain and speculative alternating which goes first, and a row reports
-//! the median pass of each.
+//! several passes, plain and speculative back to back, alternating which goes first. A
+//! row reports the median pass of each, and its speedup is the median of the passes'
+//! own ratios: the drift moves a pass's two runs together, and their ratio cancels it,
+//! where a ratio of the two medians may set a fast plain pass against a slow speculative
+//! one.
 
 use std::time::Instant;
 
@@ -167,7 +170,8 @@ pub struct BenchRow {
     /// Decode tok/s of every pass, in the order run.
     pub plain_passes: Vec<f64>,
     pub speculative_passes: Vec<f64>,
-    /// The median speculative pass's decode tok/s over the median plain pass's.
+    /// The median over passes of the speculative run's decode tok/s over the plain
+    /// run's in the same pass.
     pub speedup: f64,
     /// Every speculative pass gave plain decoding's tokens.
     pub identical: bool,
@@ -190,6 +194,8 @@ pub struct BenchReport {
     /// seconds.
     pub plain_tokens_per_second: f64,
     pub speculative_tokens_per_second: f64,
+    /// The median over passes of all prompts' speculative decode rate over their plain
+    /// rate in the same pass (see [`BenchRow::speedup`]).
     pub speedup: f64,
     /// Tokens committed per target forward over all prompts.
     pub tau: f64,
@@ -267,6 +273,8 @@ pub fn run_bench(
         }
     }
     let mut rows = Vec::new();
+    // Per prompt, per pass: the plain and the speculative run's decoding.
+    let mut paired_passes: Vec<Vec<(DecodeRun, DecodeRun)>> = Vec::new();
     for ((prompt, plains), specs) in prompts.iter().zip(plain_runs).zip(spec_runs) {
         let plain_passes: Vec<f64> = plains
             .iter()
@@ -276,6 +284,13 @@ pub fn run_bench(
             .iter()
             .map(|s| s.stats.decode_tokens_per_second)
             .collect();
+        let pairs: Vec<(DecodeRun, DecodeRun)> = plains
+            .iter()
+            .zip(&specs)
+            .map(|(p, s)| (DecodeRun::of(&p.stats), DecodeRun::of(&s.stats)))
+            .collect();
+        let speedup = paired_speedup(&[pairs.as_slice()]);
+        paired_passes.push(pairs);
         let plain = median_pass(plains, |p| p.stats.decode_seconds);
         // Passes that gave the same tokens share one check (a difference is classified
         // by running the target again).
@@ -302,8 +317,7 @@ pub fn run_bench(
             prompt_tokens: prompt.len(),
             prompt_ids: prompt.clone(),
             tokens: plain.tokens.clone(),
-            speedup: spec.stats.decode_tokens_per_second
-                / plain.stats.decode_tokens_per_second.max(1e-9),
+            speedup,
             identical: first_difference.is_none(),
             first_difference,
             plain: plain.stats,
@@ -337,7 +351,7 @@ pub fn run_bench(
         passes,
         plain_tokens_per_second: plain_tps,
         speculative_tokens_per_second: spec_tps,
-        speedup: spec_tps / plain_tps.max(1e-9),
+        speedup: paired_speedup(&paired_passes.iter().map(Vec::as_slice).collect::<Vec<_>>()),
         tau: committed as f64 / forwards.max(1) as f64,
         all_identical: rows.iter().all(|r| r.identical),
         near_ties: differences().filter(|d| d.near_tie).count(),
@@ -409,6 +423,41 @@ pub fn measure_prefill(
         warm_runs: plan.warm_runs,
         rows,
     })
+}
+
+/// What one run decoded: tokens after the first, and the seconds they took.
+#[derive(Debug, Clone, Copy)]
+struct DecodeRun {
+    tokens: usize,
+    seconds: f64,
+}
+
+impl DecodeRun {
+    fn of(stats: &GenerationStats) -> Self {
+        Self {
+            tokens: stats.generated_tokens.saturating_sub(1),
+            seconds: stats.decode_seconds,
+        }
+    }
+}
+
+/// The median over passes of the speculative decode rate over the plain one, each rate
+/// summed over `prompts` (each prompt's `(plain, speculative)` run of every pass, passes
+/// in the same order for every prompt).
+fn paired_speedup(prompts: &[&[(DecodeRun, DecodeRun)]]) -> f64 {
+    let passes = prompts.iter().map(|p| p.len()).min().unwrap_or(0);
+    let rate = |runs: &mut dyn Iterator<Item = DecodeRun>| {
+        let (tokens, seconds) = runs.fold((0, 0.0), |(t, s), r| (t + r.tokens, s + r.seconds));
+        tokens as f64 / f64::max(seconds, 1e-9)
+    };
+    let ratios: Vec<f64> = (0..passes)
+        .map(|i| {
+            let plain = rate(&mut prompts.iter().map(|p| p[i].0));
+            let speculative = rate(&mut prompts.iter().map(|p| p[i].1));
+            speculative / plain.max(1e-9)
+        })
+        .collect();
+    median(&ratios).unwrap_or(0.0)
 }
 
 /// The run of median `seconds` among `runs` (not empty); of an even count, the faster
@@ -614,6 +663,13 @@ impl BenchReport {
             self.tau,
             overall
         );
+        if self.passes > 1 {
+            out += &format!(
+                "(t/s: the median of {} passes; speedup: the median of the passes' own ratios, \
+                 plain and speculative run back to back)\n",
+                self.passes
+            );
+        }
         if let Some(prefill) = &self.prefill {
             out += &format!(
                 "\nprefill (median of {} warm runs after each prompt's first call)\n",
@@ -642,6 +698,41 @@ impl BenchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn run(tokens: usize, tokens_per_second: f64) -> DecodeRun {
+        DecodeRun {
+            tokens,
+            seconds: tokens as f64 / tokens_per_second,
+        }
+    }
+
+    /// Passes whose speed drifts (both runs of a pass alike) still show the speedup each
+    /// pass had; the ratio of the two medians would set the fastest plain pass against a
+    /// slower speculative one.
+    #[test]
+    fn the_speedup_is_the_median_of_the_passes_own_ratios() {
+        let drift = [1.0, 1.6, 0.7, 1.3, 0.8];
+        let pairs: Vec<(DecodeRun, DecodeRun)> = drift
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                // Every pass 1.2x, except one at 1.5x.
+                let ratio = if i == 3 { 1.5 } else { 1.2 };
+                (run(100, 300.0 * d), run(100, 300.0 * d * ratio))
+            })
+            .collect();
+        assert!((paired_speedup(&[&pairs]) - 1.2).abs() < 1e-9);
+        // Over several prompts a pass's rate is its prompts' tokens over their seconds.
+        let short: Vec<(DecodeRun, DecodeRun)> = drift
+            .iter()
+            .map(|d| (run(10, 100.0 * d), run(10, 100.0 * d * 3.0)))
+            .collect();
+        // Pass 0: plain 110 tokens in 1/3 + 1/10 s, speculative in 1/3.6 + 1/30 s.
+        let expected = (1.0 / 3.0 + 0.1) / (1.0 / 3.6 + 1.0 / 30.0);
+        let got = paired_speedup(&[&pairs, &short]);
+        assert!((got - expected).abs() < 1e-9, "{got} vs {expected}");
+        assert_eq!(paired_speedup(&[]), 0.0);
+    }
 
     #[test]
     fn bf16_and_f16_ties_are_two_ulps_of_the_larger_magnitude() {
