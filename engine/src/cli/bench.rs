@@ -31,8 +31,9 @@ pub struct BenchArgs {
     prompts: Option<PathBuf>,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// Plain and speculative runs of each prompt; each row reports the median run of
-    /// each (decode speed moves between runs, on a GPU by more than a drafter's gain).
+    /// Plain and speculative runs of each prompt, back to back; each row reports the
+    /// median run of each, and as speedup the median of the passes' own ratios (decode
+    /// speed moves between runs, on a GPU by more than a drafter's gain).
     #[arg(long, default_value_t = 3)]
     passes: usize,
     /// Feed prompts as raw text instead of through the model's chat template.
