@@ -8,6 +8,7 @@ pub mod dflash;
 pub mod draft_model;
 pub mod draft_thread;
 pub mod dspark;
+mod match_index;
 pub mod ngram;
 
 /// Forces the linker to keep this crate's drafter registrations.

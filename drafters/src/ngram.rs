@@ -11,30 +11,14 @@ use dspec_plugin_api::{
     TokenPicker,
 };
 
+use std::cell::RefCell;
+
 use crate::copy_alignment::{continue_copy, copy, Alignment, Edit, EditMemory};
+use crate::match_index::MatchIndex;
 
 /// Tokens in a row that continue a lookup's match after which the output is taken to be
 /// copying from there.
 const ADOPT_AFTER: usize = 2;
-
-/// Where the continuation of the most recent earlier match of the history's last `n`
-/// tokens starts (trying `n`, then shorter suffixes down to `min_n`).
-fn latest_continuation(history: &[u32], n: usize, min_n: usize) -> Option<usize> {
-    for size in (min_n.max(1)..=n).rev() {
-        if history.len() <= size {
-            continue;
-        }
-        let suffix = &history[history.len() - size..];
-        // Latest match first: recent context predicts the continuation best.
-        let found = (0..history.len() - size)
-            .rev()
-            .find(|&start| &history[start..start + size] == suffix);
-        if let Some(start) = found {
-            return Some(start + size);
-        }
-    }
-    None
-}
 
 /// Where drafts come from, followed over every token fed.
 #[derive(Debug, Clone, Copy, Default)]
@@ -49,8 +33,9 @@ struct Tracking {
 
 /// The prompt-lookup drafter over prompt + committed output.
 pub struct NgramDrafter {
-    n: usize,
     history: Vec<u32>,
+    /// The history's n-grams, so the latest match is found without a scan.
+    matches: RefCell<MatchIndex>,
     tracking: Tracking,
     edits: EditMemory,
     /// Whether the commits arriving are plain steps' (after a propose of no drafts),
@@ -63,8 +48,8 @@ impl NgramDrafter {
     /// `n`: longest n-gram to match (shorter ones down to 1 are tried after it).
     pub fn new(n: usize) -> Self {
         Self {
-            n: n.max(1),
             history: Vec::new(),
+            matches: RefCell::new(MatchIndex::new(n.max(1))),
             tracking: Tracking::default(),
             edits: EditMemory::default(),
             plain: false,
@@ -84,12 +69,19 @@ impl NgramDrafter {
         // none); a copy in step with nothing left to continue looks one up afresh.
         let from = match tracking.candidate {
             Some((at, _)) => Some(at),
-            None if alignment.is_in_step() => latest_continuation(history, self.n, 1),
+            None if alignment.is_in_step() => self.latest_continuation(history),
             None => None,
         };
         from.map_or_else(Vec::new, |from| {
             copy(history, from, &[], &self.edits, max_k)
         })
+    }
+
+    /// Where the continuation of the latest earlier match of `history`'s last `n` tokens
+    /// (or of a shorter suffix) starts. `history` is the drafter's, possibly with the
+    /// token about to be fed.
+    fn latest_continuation(&self, history: &[u32]) -> Option<usize> {
+        self.matches.borrow_mut().latest_continuation(history, 1)
     }
 
     /// `tracking` followed over the newest token of `history`, and the edit that token
@@ -113,7 +105,7 @@ impl NgramDrafter {
         let candidate = match (alignment.is_in_step(), followed) {
             (true, _) => None,
             (false, Some((at, run))) => Some((at + 1, run)),
-            (false, None) => latest_continuation(history, self.n, 1).map(|at| (at, 0)),
+            (false, None) => self.latest_continuation(history).map(|at| (at, 0)),
         };
         (
             Tracking {
@@ -148,9 +140,10 @@ impl Drafter for NgramDrafter {
         _hidden: Option<&Array>,
     ) -> Result<()> {
         self.history = prompt.to_vec();
+        self.matches.borrow_mut().clear();
         self.tracking = Tracking {
             alignment: Alignment::default(),
-            candidate: latest_continuation(&self.history, self.n, 1).map(|at| (at, 0)),
+            candidate: self.latest_continuation(&self.history).map(|at| (at, 0)),
         };
         self.edits = EditMemory::default();
         self.plain = false;
@@ -226,10 +219,11 @@ inventory::submit! {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::match_index::scan_latest_continuation;
 
     /// The latest-match lookup alone: up to `max_k` tokens of the continuation.
     fn propose(history: &[u32], n: usize, min_n: usize, max_k: usize) -> Vec<u32> {
-        match latest_continuation(history, n, min_n) {
+        match scan_latest_continuation(history, n, min_n) {
             Some(from) if max_k > 0 => history[from..(from + max_k).min(history.len())].to_vec(),
             _ => Vec::new(),
         }
