@@ -19,14 +19,14 @@
 /// Exponential forgetting per observation, so the estimates follow a text whose
 /// predictability changes (a code block, then prose).
 const DECAY: f64 = 0.9;
-/// Warm-up rounds, which draft the maximum (or [`MEASURED_WARMUP_DRAFTS`]) before the
-/// model is trusted, for as long as they keep drafts: a warm-up round that keeps none
-/// has shown what more of them would.
+/// Warm-up rounds, which draft the maximum before the model is trusted, for as long as
+/// they keep drafts: a warm-up round that keeps none has shown what more of them would.
 const WARMUP_ROUNDS: usize = 3;
-/// Drafts of a warm-up round when the drafter measures its agreement: then the warm-up
-/// is there to time a draft and a verify, which one draft does, while α comes from the
-/// agreement. A warm-up round of the maximum, where drafts do not pay, costs as many
-/// draft steps and a wide verify, several plain steps' worth (docs/benchmarks.md).
+/// Drafts of the warm-up when the drafter measures its agreement: then the warm-up is
+/// there to time a draft and a verify, which one round of one draft does, while α comes
+/// from the agreement. A warm-up round of the maximum, where drafts do not pay, costs as
+/// many draft steps and a wide verify, several plain steps' worth (docs/benchmarks.md);
+/// each further round of one draft, a draft step and a verify for at most two tokens.
 const MEASURED_WARMUP_DRAFTS: usize = 1;
 /// Every this many rounds, one round tries a neighbour of the best k, so both cost fits
 /// see more than one width and α keeps being measured when k = 0 looks best.
@@ -115,7 +115,8 @@ pub struct DraftLength {
     /// verify of width 1.
     plain: LineFit,
     rounds: usize,
-    /// Whether the warm-up is over: [`WARMUP_ROUNDS`] rounds, or one that kept nothing.
+    /// Whether the warm-up is over: [`WARMUP_ROUNDS`] rounds, or one that kept nothing,
+    /// or (the drafter measuring its agreement) one that drafted.
     warmed_up: bool,
     /// The round at which the next probe is due, and the current spacing of probes.
     next_probe: usize,
@@ -238,7 +239,8 @@ impl DraftLength {
         verify_seconds: f64,
     ) {
         self.rounds += 1;
-        if self.rounds >= WARMUP_ROUNDS || (drafted > 0 && kept == 0) {
+        let timed = drafted > 0 && self.agreement_measured;
+        if self.rounds >= WARMUP_ROUNDS || (drafted > 0 && kept == 0) || timed {
             self.warmed_up = true;
         }
         if drafted > 0 {
@@ -466,12 +468,13 @@ mod tests {
         assert!((1..=3).contains(&probes), "{probes} probes: {long:?}");
     }
 
-    /// Good drafts from a drafter that measures its agreement: a short warm-up (one draft
-    /// a round, for as long as rounds keep it), then the maximum.
+    /// Good drafts from a drafter that measures its agreement: a short warm-up (one round
+    /// of one draft, which times a draft and a verify), then the maximum.
     #[test]
     fn measured_agreement_warms_up_short_then_drafts_what_pays() {
         let ks = simulate_with_agreement(60, |_| 0.95, 0.0001, |_| 0.005, 0.004);
-        assert_eq!(ks[..WARMUP_ROUNDS], [1; WARMUP_ROUNDS], "{ks:?}");
+        assert_eq!(ks[0], 1, "{ks:?}");
+        assert_ne!(ks[1], 1, "one warm-up round: {ks:?}");
         assert_eq!(most_common(&ks[10..]), 8, "{ks:?}");
     }
 
