@@ -2,8 +2,9 @@
 # On the GPU machine (files carried as for scripts/gpu-report.sh): `dspec bench` of a draft
 # model and of n-gram lookup under --max-draft auto against dspec's own plain decoding, on
 # random weights of the 7B and 1.5B shapes (no draft is ever kept, so auto must keep to
-# plain speed), PASSES passes per prompt (default 5): one line per bench with the ratio of
-# the median passes, then each prompt's ratio and every pass's tok/s. Reports in $OUT.
+# plain speed), PASSES passes per prompt (default 5): one line per bench with its speedup
+# (the median of the passes' own ratios), then each prompt's and every pass's tok/s.
+# Reports in $OUT.
 # Usage: OUT=DIR [PASSES=5] bash scripts/gpu-auto-passes.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-auto-passes}; mkdir -p "$OUT"

@@ -40,9 +40,7 @@ impl MatchIndex {
     pub fn latest_continuation(&mut self, history: &[u32], min_n: usize) -> Option<usize> {
         let len = history.len();
         // An earlier occurrence ends before the newest token.
-        let Some(newest_end) = len.checked_sub(1) else {
-            return None;
-        };
+        let newest_end = len.checked_sub(1)?;
         if self.indexed_to > newest_end {
             return scan_latest_continuation(history, self.n, min_n);
         }
@@ -126,7 +124,7 @@ mod tests {
                         history.len()
                     );
                 }
-                if next() % 5 == 0 {
+                if next().is_multiple_of(5) {
                     // As the n-gram drafter's propose does: `last` pushed and popped.
                     let taken = history.pop().unwrap_or_default();
                     assert_eq!(
