@@ -118,6 +118,9 @@ impl Alignment {
         }
     }
 
+    /// Whether a copy is followed at all, in step or left (the tests' view; drafting asks
+    /// [`Self::is_in_step`]).
+    #[cfg(test)]
     pub fn is_copying(&self) -> bool {
         self.anchor.is_some()
     }

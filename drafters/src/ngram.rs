@@ -3,6 +3,8 @@
 //! [`crate::copy_alignment`]). No weights; strong on edits, code and anything that
 //! repeats its input.
 
+use std::cell::RefCell;
+
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
@@ -10,8 +12,6 @@ use dspec_plugin_api::{
     inventory, Agreement, Draft, Drafter, DrafterLoadRequest, DrafterRegistration, TargetModel,
     TokenPicker,
 };
-
-use std::cell::RefCell;
 
 use crate::copy_alignment::{continue_copy, copy, Alignment, Edit, EditMemory};
 use crate::match_index::MatchIndex;

@@ -327,16 +327,8 @@ pub fn run_bench(
             speculative_passes,
         });
     }
-    let rate = |pick: &dyn Fn(&BenchRow) -> &GenerationStats| {
-        let tokens: usize = rows
-            .iter()
-            .map(|r| pick(r).generated_tokens.saturating_sub(1))
-            .sum();
-        let seconds: f64 = rows.iter().map(|r| pick(r).decode_seconds).sum();
-        tokens as f64 / seconds.max(1e-9)
-    };
-    let plain_tps = rate(&|r| &r.plain);
-    let spec_tps = rate(&|r| &r.speculative);
+    let plain_tps = decode_rate(rows.iter().map(|r| DecodeRun::of(&r.plain)));
+    let spec_tps = decode_rate(rows.iter().map(|r| DecodeRun::of(&r.speculative)));
     let forwards: usize = rows.iter().map(|r| r.drafting.target_forwards).sum();
     let committed: usize = rows
         .iter()
@@ -446,18 +438,20 @@ impl DecodeRun {
 /// in the same order for every prompt).
 fn paired_speedup(prompts: &[&[(DecodeRun, DecodeRun)]]) -> f64 {
     let passes = prompts.iter().map(|p| p.len()).min().unwrap_or(0);
-    let rate = |runs: &mut dyn Iterator<Item = DecodeRun>| {
-        let (tokens, seconds) = runs.fold((0, 0.0), |(t, s), r| (t + r.tokens, s + r.seconds));
-        tokens as f64 / f64::max(seconds, 1e-9)
-    };
     let ratios: Vec<f64> = (0..passes)
         .map(|i| {
-            let plain = rate(&mut prompts.iter().map(|p| p[i].0));
-            let speculative = rate(&mut prompts.iter().map(|p| p[i].1));
+            let plain = decode_rate(prompts.iter().map(|p| p[i].0));
+            let speculative = decode_rate(prompts.iter().map(|p| p[i].1));
             speculative / plain.max(1e-9)
         })
         .collect();
     median(&ratios).unwrap_or(0.0)
+}
+
+/// Tokens over seconds, summed over `runs`.
+fn decode_rate(runs: impl Iterator<Item = DecodeRun>) -> f64 {
+    let (tokens, seconds) = runs.fold((0, 0.0), |(t, s), r| (t + r.tokens, s + r.seconds));
+    tokens as f64 / f64::max(seconds, 1e-9)
 }
 
 /// The run of median `seconds` among `runs` (not empty); of an even count, the faster
