@@ -7,13 +7,15 @@
 #           the machine stays warm), after one run that carried .gpu (with the wheels in .gpu/py).
 # This joins the parts, checks each file's sha256 (fetch-models.sh --sha), converts both
 # with `dspec convert` (bf16) and runs scripts/gpu-report.sh on them.
-# Usage: bash scripts/gpu-real.sh [--check | --edit] [ARGS for bench_gpu.py...]
+# Usage: bash scripts/gpu-real.sh [--check | --edit | --ahead] [ARGS for bench_gpu.py...]
 #   --check: convert and run a short dspec-only equality check on whatever has arrived.
 #   --edit:  the lines that need only some of the pair, against dspec's own plain decoding
 #            (`dspec bench`, PASSES passes, default 5): n-gram on the long edit prompt
 #            (max-draft 16 and auto:16) and under auto on the built-in prompts once the
 #            1.5B target has arrived, and the draft model under auto on the built-in
 #            prompts once the 0.5B has too.
+#   --ahead: rounds queued ahead against rounds read one by one (`--verify-ahead auto|off`):
+#            n-gram benches on the edit prompt, and round costs per width from traces.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
@@ -44,6 +46,28 @@ if [ "${1:-}" = "--check" ]; then
           | tee -a "$OUT/check.log"
     done
   done
+  exit
+fi
+if [ "${1:-}" = "--ahead" ]; then
+  # Rounds queued ahead (`--verify-ahead auto` and `always`) against rounds read one by
+  # one (`off`), a process per line: n-gram on the long edit prompt, where most rounds
+  # keep every draft, and the round costs per width from traces
+  # (scripts/verify_ahead_cost.py); then the auto lines of --edit that use the 1.5B alone.
+  passes=${PASSES:-5}
+  python3 -c 'import json, sys; sys.path.insert(0, "scripts"); from gpu_report import EDIT_PROMPT
+print(json.dumps({"prompt": EDIT_PROMPT}))' > /tmp/edit.jsonl
+  for ahead in auto always off; do
+    /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft 16 --verify-ahead "$ahead" \
+        --max-tokens 320 --passes "$passes" --prompts /tmp/edit.jsonl --prefill-runs 0 \
+        --json > "$OUT/ngram-edit-16-$ahead.json"
+  done
+  /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft auto:16 \
+      --max-tokens 320 --passes "$passes" --prompts /tmp/edit.jsonl --prefill-runs 0 \
+      --json > "$OUT/ngram-edit-auto-16.json"
+  python3 scripts/verify_ahead_cost.py --dspec /tmp/dspec --model "$MODELS/qwen15" \
+      --prompt-file /tmp/edit.jsonl --json-out "$OUT/verify-ahead-cost.json"
+  /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft auto \
+      --max-tokens 256 --passes "$passes" --prefill-runs 0 --json > "$OUT/ngram-auto.json"
   exit
 fi
 if [ "${1:-}" = "--edit" ]; then

@@ -197,6 +197,11 @@ impl Drafter for NgramDrafter {
     fn plain_piece(&self) -> Option<usize> {
         Some(1)
     }
+
+    /// A proposal reads the history and the copy being followed without changing them.
+    fn drafts_by_lookup(&self) -> bool {
+        true
+    }
 }
 
 fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {

@@ -25,6 +25,7 @@ use crate::decoding::generate::{
 use crate::decoding::speculative::{
     generate_speculative, Speculation, SpeculativeOutput, SpeculativeStats,
 };
+use crate::decoding::verify_ahead::VerifyAheadMode;
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
 
@@ -94,6 +95,8 @@ pub struct BenchSettings {
     pub max_draft: usize,
     /// Draft lengths chosen per round (`--max-draft auto`), `max_draft` at most.
     pub adaptive: bool,
+    /// When rounds are queued ahead ([`Speculation::verify_ahead`], `--verify-ahead`).
+    pub verify_ahead: VerifyAheadMode,
     /// Plain and speculative runs of each prompt (at least 1); rows report the medians.
     pub passes: usize,
     pub prefill: PrefillPlan,
@@ -186,6 +189,8 @@ pub struct BenchReport {
     pub max_draft: usize,
     /// Draft lengths were chosen per round (`--max-draft auto`), `max_draft` at most.
     pub adaptive: bool,
+    /// When rounds were queued ahead (`--verify-ahead`).
+    pub verify_ahead: VerifyAheadMode,
     pub max_tokens: usize,
     /// Passes per prompt ([`BenchSettings::passes`]).
     pub passes: usize,
@@ -225,6 +230,7 @@ pub fn run_bench(
         max_tokens,
         max_draft,
         adaptive,
+        verify_ahead,
         passes,
         ..
     } = *settings;
@@ -247,6 +253,7 @@ pub fn run_bench(
             max_draft,
             adaptive,
             trace: None,
+            verify_ahead,
         };
         generate_speculative(model, tokenizer, prompt, config, speculation, &mut |_| {})
     };
@@ -339,6 +346,7 @@ pub fn run_bench(
         drafter: drafter.name().to_string(),
         max_draft,
         adaptive,
+        verify_ahead,
         max_tokens,
         passes,
         plain_tokens_per_second: plain_tps,

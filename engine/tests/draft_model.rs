@@ -5,6 +5,7 @@
 use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
+use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{DraftAhead, Drafter, DrafterOptions, LoadOptions};
@@ -65,6 +66,7 @@ fn assert_same_as_greedy(
             max_draft,
             adaptive: false,
             trace: None,
+            verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
     )
@@ -172,6 +174,7 @@ fn auto_rounds_with_a_failing_draft_model_keep_the_greedy_output() {
                 max_draft: 4,
                 adaptive: true,
                 trace: None,
+                verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
         )

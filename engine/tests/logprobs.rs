@@ -13,6 +13,7 @@ use dspec_engine::decoding::logprobs::TokenLogprob;
 use dspec_engine::decoding::speculative::{
     generate_speculative_serving, ServingOptions, Speculation, SpeculativeOutput,
 };
+use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, TargetModel, TokenPicker};
@@ -42,6 +43,7 @@ fn run(
             max_draft: 4,
             adaptive,
             trace: None,
+            verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
         ServingOptions {

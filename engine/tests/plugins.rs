@@ -14,6 +14,7 @@ use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
+use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::loading::{load_model, LoadedModel};
 use dspec_engine::tiny_model::{write_tiny_model, SPECIAL_TOKENS};
@@ -274,6 +275,7 @@ fn speculative_decoding_on_a_plugin_target_equals_plain_greedy() {
                 max_draft: 4,
                 adaptive: false,
                 trace: None,
+                verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
         )
@@ -303,6 +305,7 @@ fn speculative_decoding_on_a_plugin_target_equals_plain_greedy() {
             max_draft: 4,
             adaptive: false,
             trace: None,
+            verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
     )
@@ -761,6 +764,7 @@ fn dflash_and_dspark_draft_for_a_plugin_target() {
                 max_draft: 3,
                 adaptive: false,
                 trace: None,
+                verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
         )

@@ -12,6 +12,7 @@ use dspec_engine::decoding::prompt_cache::PromptCache;
 use dspec_engine::decoding::speculative::{
     generate_speculative_serving, ServingOptions, Speculation, SpeculativeOutput,
 };
+use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
@@ -42,6 +43,7 @@ fn request(
             max_draft: 4,
             adaptive: false,
             trace: None,
+            verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
         ServingOptions {
@@ -155,6 +157,7 @@ fn a_turn_ending_inside_an_accepted_block_is_cached_without_the_drafts_after_it(
             max_draft: 4,
             adaptive: false,
             trace: None,
+            verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
         ServingOptions {

@@ -10,6 +10,7 @@ use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
+use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Agreement, Draft, Drafter, TargetModel, TokenPicker};
@@ -153,6 +154,7 @@ fn spec(drafter: &mut dyn Drafter, max_draft: usize) -> Speculation<'_> {
         max_draft,
         adaptive: false,
         trace: None,
+        verify_ahead: VerifyAheadMode::Always,
     }
 }
 
@@ -347,6 +349,7 @@ fn adaptive_draft_length_keeps_greedy_output() {
                 max_draft: 6,
                 adaptive: true,
                 trace: None,
+                verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
         )
@@ -386,6 +389,7 @@ fn auto_run<'a>(
             max_draft: 6,
             adaptive: true,
             trace,
+            verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
     )

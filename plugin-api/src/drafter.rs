@@ -135,6 +135,15 @@ pub trait Drafter: Send {
     fn plain_piece(&self) -> Option<usize> {
         None
     }
+
+    /// Whether `propose` is a lookup in the tokens committed so far: next to free, and
+    /// with no effect on the drafter, so that asking it again, or for more tokens than a
+    /// round verifies, changes nothing. The engine then asks for the tokens past the
+    /// round it verifies too, and queues the next round's verify before it reads this
+    /// one's (greedy decoding). A drafter that runs a model answers `false`.
+    fn drafts_by_lookup(&self) -> bool {
+        false
+    }
 }
 
 /// Of `checked` committed tokens, the drafter would have proposed `agreed` (each guessed

@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
+use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::distributed::{self, Distributed};
 use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::runtime::Backend;
@@ -142,6 +143,23 @@ pub struct DraftTuning {
     /// next round's drafts are often ready.
     #[arg(long, value_enum, default_value = "auto")]
     draft_ahead: DraftAheadArg,
+    /// Greedy rounds of the `ngram` drafter queue the next round's verify before reading
+    /// this one's, guessing that it keeps every draft, so the host builds a round while
+    /// the device runs the one before.
+    #[arg(long, value_enum, default_value = "auto")]
+    verify_ahead: VerifyAheadArg,
+}
+
+/// `--verify-ahead`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum VerifyAheadArg {
+    /// While the time it saves, measured, outweighs what failed guesses waste (`off` in a
+    /// distributed group, whose ranks must run the same forwards).
+    Auto,
+    /// Whenever there is room, whatever it costs.
+    Always,
+    /// Read each round before queueing the next.
+    Off,
 }
 
 /// `--drafter-bits`: 0 keeps the drafter's weights at full precision.
@@ -225,6 +243,11 @@ impl DraftTuning {
                  between the ranks of a distributed group; give a fixed --max-draft N"
             );
         }
+        // Under `auto` whether a round is queued ahead depends on this process's timings:
+        // ranks that chose differently would run different forwards.
+        if self.verify_ahead == VerifyAheadArg::Auto {
+            self.verify_ahead = VerifyAheadArg::Off;
+        }
         match self.draft_ahead {
             DraftAheadArg::Auto | DraftAheadArg::Off => {
                 self.draft_ahead = DraftAheadArg::Off;
@@ -235,6 +258,15 @@ impl DraftTuning {
                  forwards, and the ranks of a distributed group must draft the same tokens; \
                  use --draft-ahead off (the default in a group)"
             ),
+        }
+    }
+
+    /// When rounds are queued ahead (`--verify-ahead`).
+    pub fn verify_ahead(&self) -> VerifyAheadMode {
+        match self.verify_ahead {
+            VerifyAheadArg::Auto => VerifyAheadMode::Measured,
+            VerifyAheadArg::Always => VerifyAheadMode::Always,
+            VerifyAheadArg::Off => VerifyAheadMode::Off,
         }
     }
 
@@ -496,6 +528,16 @@ mod tests {
     }
 
     #[test]
+    fn verify_ahead_values_map_to_the_modes() {
+        let mode = |extra: &[&str]| parse(extra).expect("parses").tuning.verify_ahead();
+        assert_eq!(mode(&[]), VerifyAheadMode::Measured, "default auto");
+        assert_eq!(mode(&["--verify-ahead", "auto"]), VerifyAheadMode::Measured);
+        assert_eq!(mode(&["--verify-ahead", "always"]), VerifyAheadMode::Always);
+        assert_eq!(mode(&["--verify-ahead", "off"]), VerifyAheadMode::Off);
+        rejected(&["--verify-ahead", "on"], "--verify-ahead");
+    }
+
+    #[test]
     fn max_draft_is_a_count_auto_or_auto_with_a_bound() {
         let length = |extra: &[&str]| {
             let probe = parse(extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"));
@@ -518,6 +560,17 @@ mod tests {
         probe.tuning.for_group().expect("defaults suit a group");
         let options = probe.tuning.options(Dtype::Float32, 16).expect("options");
         assert_eq!(options.draft_ahead, Some(DraftAhead::Off), "auto is off");
+        assert_eq!(
+            probe.tuning.verify_ahead(),
+            VerifyAheadMode::Off,
+            "--verify-ahead auto is off"
+        );
+        let mut always = parse(&["--verify-ahead", "always"]).expect("parses");
+        always
+            .tuning
+            .for_group()
+            .expect("always does not depend on timings");
+        assert_eq!(always.tuning.verify_ahead(), VerifyAheadMode::Always);
         for (extra, says) in [
             (&["--max-draft", "auto:4"][..], "--max-draft"),
             (&["--draft-ahead", "on"][..], "--draft-ahead"),

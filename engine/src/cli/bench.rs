@@ -113,6 +113,7 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
         max_tokens: args.max_tokens,
         max_draft: args.tuning.max_draft.max,
         adaptive: args.tuning.max_draft.adaptive,
+        verify_ahead: args.tuning.verify_ahead(),
         passes: args.passes,
         prefill: dspec_engine::bench::PrefillPlan {
             warm_runs: args.prefill_runs,

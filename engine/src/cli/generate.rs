@@ -243,6 +243,7 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
                     max_draft: args.tuning.max_draft.max,
                     adaptive: args.tuning.max_draft.adaptive,
                     trace: trace_file.as_mut().map(|f| f as &mut dyn Write),
+                    verify_ahead: args.tuning.verify_ahead(),
                 },
                 &mut on_text,
             )?;

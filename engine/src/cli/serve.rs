@@ -165,6 +165,7 @@ fn load_engine(
         drafter,
         max_draft: args.tuning.max_draft.max,
         adaptive: args.tuning.max_draft.adaptive,
+        verify_ahead: args.tuning.verify_ahead(),
         default_max_tokens: max_tokens,
         prompt_cache: PromptCache::new(
             usize::try_from(args.prompt_cache_bytes).unwrap_or(usize::MAX),

@@ -27,7 +27,7 @@ pub struct Accepted {
 }
 
 /// Reads a small uint32 array to the host (one sync).
-fn host_ids(ids: &Array) -> Result<Vec<u32>, EngineError> {
+pub(crate) fn host_ids(ids: &Array) -> Result<Vec<u32>, EngineError> {
     ids.eval()?;
     Ok(ids
         .try_as_slice::<u32>()
@@ -42,10 +42,15 @@ pub fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
 
 /// Greedy acceptance of `drafts` against `logits` (`[drafts + 1, V]`).
 pub fn accept_greedy(logits: &Array, drafts: &[u32]) -> Result<Accepted, EngineError> {
-    let target = argmax_all(logits)?;
+    greedy_prefix(&argmax_all(logits)?, drafts)
+}
+
+/// Greedy acceptance of `drafts` against the target's argmax at every position fed
+/// (`target`: one more than the drafts).
+pub fn greedy_prefix(target: &[u32], drafts: &[u32]) -> Result<Accepted, EngineError> {
     let kept = drafts
         .iter()
-        .zip(&target)
+        .zip(target)
         .take_while(|(d, t)| d == t)
         .count();
     let token = *target.get(kept).ok_or_else(|| {

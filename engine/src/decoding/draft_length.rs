@@ -28,6 +28,9 @@ const WARMUP_ROUNDS: usize = 3;
 /// many draft steps and a wide verify, several plain steps' worth (docs/benchmarks.md);
 /// each further round of one draft, a draft step and a verify for at most two tokens.
 const MEASURED_WARMUP_DRAFTS: usize = 1;
+/// The measured α above which a round of one draft is tried when no round with drafts
+/// has been timed yet: drafts kept more often than not.
+const UNTIMED_ALPHA: f64 = 0.5;
 /// Every this many rounds, one round tries a neighbour of the best k, so both cost fits
 /// see more than one width and α keeps being measured when k = 0 looks best.
 const PROBE_EVERY: usize = 8;
@@ -39,7 +42,7 @@ const PROBE_EVERY_MAX: usize = 256;
 
 /// Least-squares line `y ≈ a + b·x` over decayed observations.
 #[derive(Debug, Clone, Default)]
-struct LineFit {
+pub(crate) struct LineFit {
     n: f64,
     sx: f64,
     sy: f64,
@@ -50,7 +53,7 @@ struct LineFit {
 }
 
 impl LineFit {
-    fn observe(&mut self, x: f64, y: f64) {
+    pub(crate) fn observe(&mut self, x: f64, y: f64) {
         for s in [
             &mut self.n,
             &mut self.sx,
@@ -76,7 +79,7 @@ impl LineFit {
     /// slope fitted on widths 1 and 2 alone and carried to 17 would rule out every wide
     /// round on a device whose verify cost is flat in width but noisy (a GPU bound by
     /// the host), and no wide round would ever come to correct it.
-    fn predict(&self, x: f64, through_origin: bool) -> Option<f64> {
+    pub(crate) fn predict(&self, x: f64, through_origin: bool) -> Option<f64> {
         if self.n < 1e-9 {
             return None;
         }
@@ -143,6 +146,11 @@ impl DraftLength {
             probe_every: PROBE_EVERY,
             agreement_measured: false,
         }
+    }
+
+    /// The most drafts a round may ask for.
+    pub fn max(&self) -> usize {
+        self.max
     }
 
     /// The drafter reports its agreement during plain steps ([`Self::observe_agreement`]):
@@ -212,6 +220,13 @@ impl DraftLength {
             return 0;
         }
         let best = self.best(cap);
+        // Drafting is weighed by the costs of rounds with drafts: until one is timed
+        // (the warm-up's lookups found nothing, or its round was thrown away unread)
+        // only plain steps can win. Where the measured α says drafts are likely kept,
+        // one round of one draft times them; elsewhere plain steps go on.
+        if best == 0 && cap > 0 && self.rate(1).is_none() && self.acceptance() > UNTIMED_ALPHA {
+            return 1;
+        }
         if self.rounds < self.next_probe {
             return best;
         }
@@ -476,6 +491,28 @@ mod tests {
         assert_eq!(ks[0], 1, "{ks:?}");
         assert_ne!(ks[1], 1, "one warm-up round: {ks:?}");
         assert_eq!(most_common(&ks[10..]), 8, "{ks:?}");
+    }
+
+    /// Warm-up rounds whose lookups found nothing time no round with drafts, so the
+    /// costs that weigh drafting are unknown: once the agreement says drafts would be
+    /// kept, one round of one draft times them, instead of waiting for a probe.
+    #[test]
+    fn untimed_drafting_is_tried_once_the_agreement_is_high() {
+        let mut control = DraftLength::new(16, true);
+        control.set_agreement_measured();
+        for _ in 0..4 {
+            control.observe(0, 0, 0.0, 0.003);
+        }
+        control.observe_agreement(0, 20);
+        assert_eq!(control.next(16), 0, "agreement low: plain steps");
+        control.observe_agreement(40, 40);
+        assert_eq!(
+            control.next(16),
+            1,
+            "agreement high: one draft to time drafting"
+        );
+        control.observe(1, 1, 1e-5, 0.005);
+        assert!(control.next(16) > 1, "timed: weighed by the costs");
     }
 
     /// A text that turns predictable while decoding plainly: the agreement the drafter

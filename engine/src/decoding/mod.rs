@@ -1,5 +1,6 @@
 //! The decode loops and what they are made of: plain decoding, speculative decoding with
-//! lossless acceptance, sampling, the per-round draft length, and loading a drafter.
+//! lossless acceptance, sampling, the per-round draft length, queueing verifies ahead,
+//! and loading a drafter.
 
 pub mod acceptance;
 pub mod draft_length;
@@ -9,3 +10,4 @@ pub mod logprobs;
 pub mod prompt_cache;
 pub mod sampling;
 pub mod speculative;
+pub mod verify_ahead;

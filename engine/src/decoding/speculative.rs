@@ -13,17 +13,19 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::ops::{concatenate, softmax_axis};
 use mlx_rs::transforms::async_eval;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use serde::Serialize;
 
 use dspec_adapters::attention::{reserve_for_generation, WHOLE_BUFFER_MAX_TOKENS};
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
-use crate::decoding::acceptance::{accept_greedy, accept_sampled, argmax_all, Accepted};
+use crate::decoding::acceptance::{
+    accept_greedy, accept_sampled, argmax_all, greedy_prefix, host_ids, Accepted,
+};
 use crate::decoding::draft_length::DraftLength;
 use crate::decoding::generate::{
     pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
@@ -32,6 +34,7 @@ use crate::decoding::generate::{
 use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
 use crate::decoding::prompt_cache::PromptCache;
 use crate::decoding::sampling::Sampler;
+use crate::decoding::verify_ahead::{RoundTiming, VerifyAhead, VerifyAheadMode};
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
 
@@ -117,7 +120,16 @@ pub struct RoundTrace {
     /// The target's own token after the accepted drafts.
     pub target_token: u32,
     pub draft_ms: f64,
+    /// Seconds from the round's queueing, or from the read of the round before when it
+    /// was queued ahead of that read, to its own read (its drafting excluded).
     pub verify_ms: f64,
+    /// Whether the round was queued before the round before it was read (plain steps
+    /// always are; rounds with drafts are under [`Speculation::verify_ahead`]).
+    pub queued_ahead: bool,
+    /// Seconds the host spent building the round's forward and queueing it on the
+    /// device, where that is apart from waiting for it (not in rounds whose drafts come
+    /// with probabilities or from a model).
+    pub host_ms: Option<f64>,
 }
 
 /// What drives a speculative generation besides the target.
@@ -130,6 +142,11 @@ pub struct Speculation<'a> {
     pub adaptive: bool,
     /// Receives one JSON line per round when set.
     pub trace: Option<&'a mut dyn Write>,
+    /// Under greedy decoding with a drafter that drafts by lookup
+    /// ([`Drafter::drafts_by_lookup`]) and a target whose cache rolls back freely (no
+    /// recurrent layers): when to queue each round's successor before reading it, on the
+    /// guess that it keeps every draft (see [`crate::decoding::verify_ahead`]).
+    pub verify_ahead: VerifyAheadMode,
 }
 
 /// What a long-lived caller (a server) adds to a generation.
@@ -260,6 +277,8 @@ struct PlainStep {
     hidden: Option<Array>,
     /// The step's logits (`[1, vocab]`), kept when log-probabilities are reported.
     logits: Option<Array>,
+    /// Seconds the host spent building and queueing it.
+    host_seconds: f64,
 }
 
 /// The state of a speculative generation between rounds.
@@ -279,6 +298,45 @@ struct Rounds<'a, 't, 'l> {
     /// stores them for the next request's drafter.
     kept_hidden: Option<Vec<Array>>,
     logprobs: Option<LogprobSink<'l>>,
+    /// Set when rounds may be queued ahead (see [`Speculation::verify_ahead`]).
+    ahead: Option<VerifyAhead>,
+    /// The last round read had a round queued after it thrown away.
+    guess_failed: bool,
+}
+
+/// A greedy verify queued and not read yet (rounds of a lookup drafter).
+struct QueuedVerify {
+    /// The token it feeds first; `None` while that is the still lazy last token of the
+    /// round before it.
+    first: Option<u32>,
+    drafts: Vec<u32>,
+    /// The target's argmax at every position fed (`[1 + drafts]`, uint32, lazy).
+    argmax: Array,
+    /// `[1 + drafts, vocab]`, kept when log-probabilities are reported.
+    logits: Option<Array>,
+    hidden: Option<Array>,
+    /// Seconds spent proposing its drafts.
+    draft_seconds: f64,
+    /// Whether it was queued before the round before it was read.
+    queued_ahead: bool,
+    /// Seconds the host spent building and queueing it.
+    host_seconds: f64,
+    /// Whether the round before it had a round queued after it thrown away.
+    after_failed_guess: bool,
+}
+
+impl QueuedVerify {
+    fn width(&self) -> usize {
+        1 + self.drafts.len()
+    }
+}
+
+/// A lookup drafter's proposal past the tokens committed: the drafts of the round it is
+/// for, then its guess of that round's last token (the target's own), then drafts for
+/// the round after.
+struct Proposal {
+    tokens: Vec<u32>,
+    seconds: f64,
 }
 
 impl Rounds<'_, '_, '_> {
@@ -354,6 +412,8 @@ impl Rounds<'_, '_, '_> {
             target_token: next,
             draft_ms: draft_elapsed.as_secs_f64() * 1e3,
             verify_ms: verify_elapsed.as_secs_f64() * 1e3,
+            queued_ahead: false,
+            host_ms: None,
         })?;
         self.tally.round(draft.tokens.len(), accepted);
 
@@ -395,13 +455,245 @@ impl Rounds<'_, '_, '_> {
         Ok(stop)
     }
 
+    /// Asks a lookup drafter for `max_k` tokens to follow `last`.
+    fn propose_lookup(&mut self, last: u32, max_k: usize) -> Result<Proposal, EngineError> {
+        let t = Instant::now();
+        let draft =
+            self.drafter
+                .propose(self.model, last, max_k, &mut EnginePicker { sampler: None })?;
+        let seconds = t.elapsed();
+        self.tally.draft_time += seconds;
+        let mut tokens = draft.tokens;
+        tokens.truncate(max_k);
+        Ok(Proposal {
+            tokens,
+            seconds: seconds.as_secs_f64(),
+        })
+    }
+
+    /// Builds and queues the greedy verify of `[first, drafts]`, `first` a `[1, 1]`
+    /// token, known or lazy.
+    fn queue_verify(
+        &mut self,
+        first: (&Array, Option<u32>),
+        drafts: &[u32],
+        draft_seconds: f64,
+        queued_ahead: bool,
+    ) -> Result<QueuedVerify, EngineError> {
+        let after_failed_guess = std::mem::take(&mut self.guess_failed);
+        let t = Instant::now();
+        let input = match drafts.len() {
+            0 => first.0.clone(),
+            n => concatenate(&[first.0, &Array::from_slice(drafts, &[1, n as i32])], 1)?,
+        };
+        let out = self.model.forward(&input, &mut self.cache, &self.taps)?;
+        let logits = out.logits.try_index(0)?;
+        let argmax = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
+        async_eval(std::iter::once(&argmax).chain(out.hidden.iter()))?;
+        let host_seconds = t.elapsed().as_secs_f64();
+        Ok(QueuedVerify {
+            first: first.1,
+            drafts: drafts.to_vec(),
+            argmax,
+            logits: self.logprobs.is_some().then_some(logits),
+            hidden: out.hidden,
+            draft_seconds,
+            queued_ahead,
+            host_seconds,
+            after_failed_guess,
+        })
+    }
+
+    /// Greedy rounds of a lookup drafter, each queued before the one before it is read
+    /// while [`VerifyAhead`] says it pays: the drafter is asked for the tokens past the
+    /// round being verified, its guess of that round's last token included, and the next
+    /// round feeds that round's still lazy last token followed by the drafts after the
+    /// guess. It stands if the round keeps every draft (wrong drafts after a wrong guess
+    /// are only rejected, so the output stays plain greedy's); otherwise it is trimmed
+    /// from the cache, unread. Starts with a round of `k` drafts and returns when a
+    /// round was read with none queued after it, or generation ended.
+    fn lookup_rounds(&mut self, k: usize) -> Result<Option<StopReason>, EngineError> {
+        let mut since = Instant::now();
+        let max_draft = self.length.max();
+        let mut proposal = self.propose_lookup(self.last, k + 1 + max_draft)?;
+        let drafts: Vec<u32> = proposal.tokens.iter().take(k).copied().collect();
+        let first = Array::from_slice(&[self.last], &[1, 1]);
+        let mut current =
+            self.queue_verify((&first, Some(self.last)), &drafts, proposal.seconds, false)?;
+        // What the proposal holds past the current round: the guess of its last token,
+        // then drafts for the round after it.
+        let mut beyond: Vec<u32> = proposal
+            .tokens
+            .split_off(drafts.len().min(proposal.tokens.len()));
+        if drafts.len() < k {
+            // The lookup ran out inside this round: nothing to guess past it.
+            beyond.clear();
+        }
+        loop {
+            // The round after the current one, on the guess that the current one keeps
+            // every draft; as many drafts as the controller would ask for then.
+            let room_after = self.room().saturating_sub(current.width());
+            let mut ahead = None;
+            let next_k = match room_after {
+                0 => 0,
+                room => self.length.next(room - 1),
+            };
+            if next_k > 0 {
+                let drafts: Vec<u32> = beyond.iter().skip(1).take(next_k).copied().collect();
+                let queue = match self.ahead.as_mut() {
+                    Some(policy) => policy.should_queue(1 + drafts.len()),
+                    None => false,
+                };
+                if queue {
+                    let last = current
+                        .argmax
+                        .try_index(current.drafts.len() as i32..current.width() as i32)?
+                        .reshape(&[1, 1])?;
+                    ahead = Some(self.queue_verify((&last, None), &drafts, 0.0, true)?);
+                }
+            }
+
+            // Read the current round.
+            let target = host_ids(&current.argmax)?;
+            let Accepted {
+                drafts: accepted,
+                token: next,
+            } = greedy_prefix(&target, &current.drafts)?;
+            let round_seconds = (since.elapsed().as_secs_f64() - current.draft_seconds).max(0.0);
+            since = Instant::now();
+            let whole = accepted == current.drafts.len();
+            let first = current.first.ok_or_else(|| {
+                EngineError::Mlx("a verify was read before the round it follows".into())
+            })?;
+            let queued_next = ahead.is_some();
+            match (&ahead, whole) {
+                (Some(queued), false) => {
+                    // Queued on a guess that did not hold: gone unread.
+                    self.cache
+                        .trim(current.drafts.len() - accepted + queued.width())?;
+                    ahead = None;
+                    self.guess_failed = true;
+                }
+                _ => self.cache.trim(current.drafts.len() - accepted)?,
+            }
+            let hidden = match &current.hidden {
+                Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
+                None => None,
+            };
+            self.keep_hidden(hidden.as_ref());
+            let mut fed = vec![first];
+            fed.extend_from_slice(&current.drafts[..accepted]);
+            self.drafter.commit(&fed, hidden.as_ref())?;
+            self.write_trace(RoundTrace {
+                round: self.tally.forwards,
+                position: self.committer.tokens.len(),
+                drafted: current.drafts.clone(),
+                accepted,
+                target_token: next,
+                draft_ms: current.draft_seconds * 1e3,
+                verify_ms: round_seconds * 1e3,
+                queued_ahead: current.queued_ahead,
+                host_ms: Some(current.host_seconds * 1e3),
+            })?;
+            self.tally.round(current.drafts.len(), accepted);
+            if let Some(policy) = self.ahead.as_mut() {
+                policy.observe_round(RoundTiming {
+                    width: current.width(),
+                    seconds: round_seconds,
+                    queued_ahead: current.queued_ahead,
+                    queued_next,
+                    after_failed_guess: current.after_failed_guess,
+                });
+            }
+            match (current.drafts.len(), current.queued_ahead) {
+                (0, true) => self.length.observe(0, 0, 0.0, round_seconds),
+                (0, false) => self.length.observe_empty(round_seconds),
+                (drafted, _) => {
+                    self.length
+                        .observe(drafted, accepted, current.draft_seconds, round_seconds)
+                }
+            }
+
+            self.last = next;
+            let kept: Vec<u32> = current.drafts[..accepted]
+                .iter()
+                .chain([&next])
+                .copied()
+                .collect();
+            let entries = match (&self.logprobs, &current.logits) {
+                (Some(sink), Some(logits)) => Some(token_logprobs(logits, &kept, sink.top)?),
+                _ => None,
+            };
+            let mut stop = None;
+            let mut committed = 0;
+            for &token in &kept {
+                committed += 1;
+                stop = self.committer.push(token)?;
+                if stop.is_some() {
+                    break;
+                }
+            }
+            if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
+                sink.keep(entries, committed, stop);
+            }
+            let stop = self.committer.end_round(stop)?;
+            if let Some(stop) = stop {
+                if let Some(queued) = ahead {
+                    // Queued past the end: let it finish, so nothing is in flight when
+                    // generation returns, and forget it.
+                    queued.argmax.eval()?;
+                    self.cache.trim(queued.width())?;
+                }
+                return Ok(Some(stop));
+            }
+            let Some(mut queued) = ahead else {
+                // Without a round queued after it, whether one would have stood is
+                // judged by this round alone.
+                if let (Some(policy), false) = (self.ahead.as_mut(), queued_next) {
+                    policy.observe_outcome(whole);
+                }
+                if queued_next {
+                    self.observe_stood(false);
+                }
+                return Ok(None);
+            };
+            // The round queued ahead is valid. Its drafts were looked up before this
+            // round's last token was known: where a lookup knowing it drafts otherwise
+            // (the guess failed, or the output left the text it copied), the queued
+            // drafts are stale and mostly lost, so it goes unread and a round with the
+            // new drafts takes its place. Otherwise the new lookup holds the drafts for
+            // the round after it.
+            proposal = self.propose_lookup(next, queued.drafts.len() + 1 + max_draft)?;
+            let Some(rest) = proposal.tokens.strip_prefix(queued.drafts.as_slice()) else {
+                self.cache.trim(queued.width())?;
+                self.guess_failed = true;
+                self.observe_stood(false);
+                return Ok(None);
+            };
+            self.observe_stood(true);
+            beyond = rest.to_vec();
+            queued.first = Some(next);
+            queued.draft_seconds += proposal.seconds;
+            current = queued;
+        }
+    }
+
+    /// Tells the policy whether a round queued ahead stood.
+    fn observe_stood(&mut self, stood: bool) {
+        if let Some(policy) = self.ahead.as_mut() {
+            policy.observe_outcome(stood);
+        }
+    }
+
     /// Builds and queues the plain step that feeds `token` (possibly still lazy).
     fn queue_plain(&mut self, token: &Array) -> Result<PlainStep, EngineError> {
+        let t = Instant::now();
         let out = self.model.forward(token, &mut self.cache, &self.taps)?;
         let logits = out.logits.try_index((.., -1, ..))?;
         let token = pick_next(self.sampler.as_mut(), &logits)?;
         async_eval(std::iter::once(&token).chain(out.hidden.iter()))?;
         Ok(PlainStep {
+            host_seconds: t.elapsed().as_secs_f64(),
             token,
             hidden: out.hidden,
             logits: self.logprobs.is_some().then_some(logits),
@@ -458,6 +750,8 @@ impl Rounds<'_, '_, '_> {
                 target_token: token,
                 draft_ms: 0.0,
                 verify_ms: seconds * 1e3,
+                queued_ahead: true,
+                host_ms: Some(current.host_seconds * 1e3),
             })?;
             self.tally.round(0, 0);
             hidden.extend(current.hidden.take());
@@ -572,6 +866,7 @@ pub fn generate_speculative_serving(
         max_draft,
         adaptive,
         trace,
+        verify_ahead,
     } = speculation;
     let never = || Ok(false);
     let cancelled: &CancelCheck = options.cancelled.unwrap_or(&never);
@@ -670,6 +965,15 @@ pub fn generate_speculative_serving(
     if drafter.agreement().is_some() {
         length.set_agreement_measured();
     }
+    // Rounds queued ahead are trimmed unread when their guess fails: two rounds' worth
+    // of positions to roll back, which only attention caches can always do.
+    let ahead = match sampler.is_none()
+        && drafter.drafts_by_lookup()
+        && cache.rollback_window().is_none()
+    {
+        true => VerifyAhead::for_mode(verify_ahead),
+        false => None,
+    };
     let mut rounds = Rounds {
         model,
         cache,
@@ -683,11 +987,14 @@ pub fn generate_speculative_serving(
         last,
         kept_hidden,
         logprobs,
+        ahead,
+        guess_failed: false,
     };
     let mut planned = None;
     while stop.is_none() {
         match rounds.draft_length(planned.take()) {
             0 => (stop, planned) = rounds.plain_run()?,
+            k if rounds.ahead.is_some() => stop = rounds.lookup_rounds(k)?,
             k => stop = rounds.draft_round(k)?,
         }
     }

@@ -18,6 +18,7 @@ use crate::decoding::prompt_cache::{PromptCache, PromptCacheUsage};
 use crate::decoding::speculative::{
     generate_speculative_serving, ServingOptions, Speculation, SpeculativeStats,
 };
+use crate::decoding::verify_ahead::VerifyAheadMode;
 use crate::error::EngineError;
 use crate::loading::distributed::Distributed;
 use crate::loading::LoadedModel;
@@ -34,6 +35,8 @@ pub struct Engine {
     /// Most drafts per round and whether the count adapts (`--max-draft`).
     pub max_draft: usize,
     pub adaptive: bool,
+    /// When rounds are queued ahead (`--verify-ahead`).
+    pub verify_ahead: VerifyAheadMode,
     /// `max_tokens` of requests that give none (`--max-tokens`).
     pub default_max_tokens: usize,
     /// The target's caches of earlier requests (`--prompt-cache-bytes`).
@@ -52,6 +55,7 @@ impl Engine {
             max_draft: self.max_draft,
             adaptive: self.adaptive,
             trace: None,
+            verify_ahead: self.verify_ahead,
         };
         (&self.loaded, speculation, &mut self.prompt_cache)
     }

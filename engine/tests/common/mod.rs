@@ -11,6 +11,7 @@ use std::process::Command;
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
+use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
@@ -115,6 +116,7 @@ pub fn speculate(
             max_draft,
             adaptive: false,
             trace: trace.map(|t| t as &mut dyn std::io::Write),
+            verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
     )

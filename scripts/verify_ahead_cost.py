@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""What a round of w positions costs with rounds queued ahead, against one plain step.
+
+For one model and a prompt whose answer copies it (the n-gram drafter's best case), in
+one run:
+  - plain greedy decoding (`dspec generate`, before and after the rest): one plain step
+    = 1 / decode tok/s (the better of the two);
+  - for each width w, n-gram with `--max-draft w-1`, traced (`--trace`), once with
+    `--verify-ahead always` and once with `off`. A round's `verify_ms` is the time from the
+    read of the round before it to its own read, drafting excluded: with rounds queued
+    ahead, what the round adds to the generation. Reported per width: the median over
+    rounds that drafted w-1 tokens, for `always` over those queued ahead (the guess held),
+    for `off` over all of them.
+Prints the costs in ms and in plain steps, with each run's decode tok/s and tau, and
+writes everything as JSON.
+
+Usage: python3 scripts/verify_ahead_cost.py --dspec BIN --model DIR --prompt-file JSONL
+           [--widths 2,4,8,16] [--max-tokens 320] [--json-out FILE]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run(cmd):
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(out.stderr.strip()[-2000:], file=sys.stderr)
+        return None
+    return json.loads(out.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dspec", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompt-file", required=True, help="JSONL; the first line's prompt")
+    ap.add_argument("--widths", default="2,4,8,16")
+    ap.add_argument("--max-tokens", type=int, default=320)
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    prompt = json.loads(open(args.prompt_file).readline())["prompt"]
+    base = [args.dspec, "generate", "--target", args.model, "--prompt", prompt,
+            "--max-tokens", str(args.max_tokens), "--json"]
+
+    def plain():
+        result = run(base)
+        return result["stats"]["decode_tokens_per_second"] if result else None
+
+    report = {"model": args.model, "plain_tokens_per_second": [plain()], "widths": []}
+    for w in [int(x) for x in args.widths.split(",")]:
+        row = {"width": w}
+        for ahead in ["always", "off"]:
+            with tempfile.NamedTemporaryFile(suffix=".jsonl") as trace:
+                result = run(base + ["--drafter", "ngram", "--max-draft", str(w - 1),
+                                     "--verify-ahead", ahead, "--trace", trace.name])
+                if result is None:
+                    continue
+                rounds = [json.loads(line) for line in open(trace.name) if line.strip()]
+            # The first rounds pay one-off costs (kernel builds): left out.
+            full = [r for r in rounds[4:] if len(r["drafted"]) == w - 1]
+            timed = [r["verify_ms"] for r in full if ahead == "off" or r["queued_ahead"]]
+            # Also reported: the host's time building and queueing those rounds.
+            hosts = [r["host_ms"] for r in full if r.get("host_ms") is not None
+                     and (ahead == "off" or r["queued_ahead"])]
+            row[ahead] = {
+                "round_ms": statistics.median(timed) if timed else None,
+                "host_ms": statistics.median(hosts) if hosts else None,
+                "rounds_timed": len(timed),
+                "rounds": len(rounds),
+                "rounds_queued_ahead": sum(r["queued_ahead"] for r in rounds),
+                "decode_tokens_per_second": result["stats"]["decode_tokens_per_second"],
+                "tau": result["speculative"]["tau"],
+            }
+        report["widths"].append(row)
+    report["plain_tokens_per_second"].append(plain())
+    best = max(t for t in report["plain_tokens_per_second"] if t)
+    step = 1e3 / best
+    report["plain_step_ms"] = step
+    print(f"plain step {step:.2f} ms ({best:.1f} tok/s)")
+    print("w   | ahead: ms  steps  host ms  tok/s  tau  (rounds timed) | off: the same")
+    for row in report["widths"]:
+        cells = []
+        for ahead in ["always", "off"]:
+            r = row.get(ahead)
+            if not r or r["round_ms"] is None:
+                cells.append("-")
+                continue
+            r["steps"] = r["round_ms"] / step
+            host = f"{r['host_ms']:.2f}" if r["host_ms"] is not None else "-"
+            cells.append(f"{r['round_ms']:.2f} {r['steps']:.2f} host {host} "
+                         f"{r['decode_tokens_per_second']:.1f} {r['tau']:.2f} ({r['rounds_timed']})")
+        print(f"{row['width']:<3} | " + " | ".join(cells))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
