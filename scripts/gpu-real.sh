@@ -15,7 +15,8 @@
 #            1.5B target has arrived, and the draft model under auto on the built-in
 #            prompts once the 0.5B has too.
 #   --ahead: rounds queued ahead against rounds read one by one (`--verify-ahead auto|off`):
-#            n-gram benches on the edit prompt, and round costs per width from traces.
+#            n-gram benches on the edit and built-in prompts, and round costs per width
+#            from traces (`always` against `off`).
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-bench}
 mkdir -p "$OUT"
@@ -49,25 +50,24 @@ if [ "${1:-}" = "--check" ]; then
   exit
 fi
 if [ "${1:-}" = "--ahead" ]; then
-  # Rounds queued ahead (`--verify-ahead auto` and `always`) against rounds read one by
-  # one (`off`), a process per line: n-gram on the long edit prompt, where most rounds
-  # keep every draft, and the round costs per width from traces
-  # (scripts/verify_ahead_cost.py); then the auto lines of --edit that use the 1.5B alone.
+  # Rounds queued ahead (`--verify-ahead auto`) against rounds read one by one (`off`), a
+  # process per line: n-gram on the long edit prompt (--max-draft 16 and auto:16) and on
+  # the built-in prompts at the default --max-draft; then round costs per width from
+  # traces with `always` against `off` (scripts/verify_ahead_cost.py).
   passes=${PASSES:-5}
   python3 -c 'import json, sys; sys.path.insert(0, "scripts"); from gpu_report import EDIT_PROMPT
 print(json.dumps({"prompt": EDIT_PROMPT}))' > /tmp/edit.jsonl
-  for ahead in auto always off; do
-    /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft 16 --verify-ahead "$ahead" \
-        --max-tokens 320 --passes "$passes" --prompts /tmp/edit.jsonl --prefill-runs 0 \
-        --json > "$OUT/ngram-edit-16-$ahead.json"
+  for ahead in auto off; do
+    for max in 16 auto:16; do
+      /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft "$max" \
+          --verify-ahead "$ahead" --max-tokens 320 --passes "$passes" --prompts /tmp/edit.jsonl \
+          --prefill-runs 0 --json > "$OUT/ngram-edit-${max/:/-}-$ahead.json"
+    done
+    /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --verify-ahead "$ahead" \
+        --max-tokens 256 --passes "$passes" --prefill-runs 0 --json > "$OUT/ngram-5-$ahead.json"
   done
-  /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft auto:16 \
-      --max-tokens 320 --passes "$passes" --prompts /tmp/edit.jsonl --prefill-runs 0 \
-      --json > "$OUT/ngram-edit-auto-16.json"
   python3 scripts/verify_ahead_cost.py --dspec /tmp/dspec --model "$MODELS/qwen15" \
       --prompt-file /tmp/edit.jsonl --json-out "$OUT/verify-ahead-cost.json"
-  /tmp/dspec bench --target "$MODELS/qwen15" --drafter ngram --max-draft auto \
-      --max-tokens 256 --passes "$passes" --prefill-runs 0 --json > "$OUT/ngram-auto.json"
   exit
 fi
 if [ "${1:-}" = "--edit" ]; then

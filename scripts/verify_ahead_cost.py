@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """What a round of w positions costs with rounds queued ahead, against one plain step.
 
-For one model and a prompt whose answer copies it (the n-gram drafter's best case), in
-one run:
+For one model and a prompt, in one run, with a drafter whose drafts are mostly kept: the
+n-gram drafter on a prompt whose answer copies it, or `replay` (the plain run's own
+answer drafted back, every draft kept; any weights, random ones included):
   - plain greedy decoding (`dspec generate`, before and after the rest): one plain step
     = 1 / decode tok/s (the better of the two);
-  - for each width w, n-gram with `--max-draft w-1`, traced (`--trace`), once with
+  - for each width w, the drafter with `--max-draft w-1`, traced (`--trace`), once with
     `--verify-ahead always` and once with `off`. A round's `verify_ms` is the time from the
     read of the round before it to its own read, drafting excluded: with rounds queued
     ahead, what the round adds to the generation. Reported per width: the median over
@@ -15,7 +16,12 @@ Prints the costs in ms and in plain steps, with each run's decode tok/s and tau,
 writes everything as JSON.
 
 Usage: python3 scripts/verify_ahead_cost.py --dspec BIN --model DIR --prompt-file JSONL
-           [--widths 2,4,8,16] [--max-tokens 320] [--json-out FILE]
+           [--drafter ngram|replay] [--widths 2,4,8,16] [--max-tokens 320] [--json-out FILE]
+           [--spec-args "--verify exact"]
+
+On a GPU, bf16 rounding differs between a verify's rows and a plain step's, and with
+random weights near-ties are everywhere: a replayed answer is left within a few tokens
+unless the verify computes each row as a plain step does (`--spec-args "--verify exact"`).
 """
 
 import argparse
@@ -40,25 +46,37 @@ def main():
     ap.add_argument("--dspec", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt-file", required=True, help="JSONL; the first line's prompt")
+    ap.add_argument("--drafter", choices=["ngram", "replay"], default="ngram")
     ap.add_argument("--widths", default="2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--json-out")
+    ap.add_argument("--spec-args", default="",
+                    help="more arguments for the speculative runs (e.g. \"--verify exact\")")
     args = ap.parse_args()
     prompt = json.loads(open(args.prompt_file).readline())["prompt"]
     base = [args.dspec, "generate", "--target", args.model, "--prompt", prompt,
             "--max-tokens", str(args.max_tokens), "--json"]
 
+    answer = tempfile.NamedTemporaryFile(suffix=".json")
+
     def plain():
         result = run(base)
-        return result["stats"]["decode_tokens_per_second"] if result else None
+        if result is None:
+            return None
+        with open(answer.name, "w") as f:
+            json.dump(result, f)
+        return result["stats"]["decode_tokens_per_second"]
 
-    report = {"model": args.model, "plain_tokens_per_second": [plain()], "widths": []}
+    drafter = "ngram" if args.drafter == "ngram" else f"replay:{answer.name}"
+    report = {"model": args.model, "drafter": args.drafter,
+              "plain_tokens_per_second": [plain()], "widths": []}
     for w in [int(x) for x in args.widths.split(",")]:
         row = {"width": w}
         for ahead in ["always", "off"]:
             with tempfile.NamedTemporaryFile(suffix=".jsonl") as trace:
-                result = run(base + ["--drafter", "ngram", "--max-draft", str(w - 1),
-                                     "--verify-ahead", ahead, "--trace", trace.name])
+                result = run(base + ["--drafter", drafter, "--max-draft", str(w - 1),
+                                     "--verify-ahead", ahead, "--trace", trace.name,
+                                     *args.spec_args.split()])
                 if result is None:
                     continue
                 rounds = [json.loads(line) for line in open(trace.name) if line.strip()]

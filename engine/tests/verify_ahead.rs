@@ -6,6 +6,7 @@
 use mlx_rs::Array;
 
 use dspec_drafters::ngram::NgramDrafter;
+use dspec_drafters::replay::ReplayDrafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
@@ -66,7 +67,7 @@ impl Drafter for LookupOracle {
             "last is the next true token"
         );
         let mut tokens = Vec::new();
-        if start % 17 != 5 {
+        if start % 6 != 2 {
             for j in start + 1..(start + 1 + max_k).min(self.truth.len()) {
                 if j > start + 1 && (j + 2 * start).is_multiple_of(13) {
                     break;
@@ -290,4 +291,80 @@ fn sampled_rounds_are_never_queued_ahead() {
         "the prompt gives n-gram matches"
     );
     assert!(rounds.iter().all(|r| !queued_ahead(r) || drafted(r) == 0));
+}
+
+#[test]
+fn a_replayed_answer_is_kept_whole_and_a_wrong_one_changes_nothing() {
+    let (_dir, loaded) = load("{}", 35);
+    let prompt = loaded
+        .tokenizer
+        .encode_prompt("say it again", false)
+        .unwrap();
+    let truth = greedy(&loaded, &prompt, 48);
+    for mode in [VerifyAheadMode::Always, VerifyAheadMode::Off] {
+        let mut drafter = ReplayDrafter::new(truth.clone());
+        let (out, rounds) = run(
+            &loaded,
+            &prompt,
+            &mut drafter,
+            5,
+            &greedy_config(48, vec![]),
+            mode,
+        );
+        assert_eq!(out.tokens, truth, "{mode:?}");
+        assert_eq!(
+            out.speculative.accepted_tokens, out.speculative.drafted_tokens,
+            "{mode:?}"
+        );
+        assert!(
+            out.speculative.tau > 5.0,
+            "{mode:?}: tau {}",
+            out.speculative.tau
+        );
+        if mode == VerifyAheadMode::Always {
+            assert!(rounds.iter().skip(1).all(queued_ahead), "every guess holds");
+        }
+        // Another answer: every round rejects, the output is still plain greedy's.
+        let wrong: Vec<u32> = truth.iter().map(|t| (t + 1) % 259).collect();
+        let mut drafter = ReplayDrafter::new(wrong);
+        let (out, _) = run(
+            &loaded,
+            &prompt,
+            &mut drafter,
+            5,
+            &greedy_config(48, vec![]),
+            mode,
+        );
+        assert_eq!(out.tokens, truth, "{mode:?}");
+        assert_eq!(out.speculative.accepted_tokens, 0);
+    }
+}
+
+#[test]
+fn auto_queues_only_behind_rounds_without_drafts() {
+    let (_dir, loaded) = load("{}", 36);
+    let prompt = loaded
+        .tokenizer
+        .encode_prompt("only where safe", false)
+        .unwrap();
+    let truth = greedy(&loaded, &prompt, 90);
+    let mut drafter = LookupOracle::new(&truth);
+    let (out, rounds) = run(
+        &loaded,
+        &prompt,
+        &mut drafter,
+        3,
+        &greedy_config(80, vec![]),
+        VerifyAheadMode::Auto,
+    );
+    assert_eq!(out.tokens, truth[..80].to_vec());
+    for pair in rounds.windows(2) {
+        if queued_ahead(&pair[1]) {
+            assert_eq!(drafted(&pair[0]), 0, "queued behind a round with drafts");
+        }
+    }
+    assert!(
+        rounds.iter().any(queued_ahead),
+        "the lookups that find nothing are followed by rounds queued ahead"
+    );
 }

@@ -153,10 +153,10 @@ pub struct DraftTuning {
 /// `--verify-ahead`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum VerifyAheadArg {
-    /// While the time it saves, measured, outweighs what failed guesses waste (`off` in a
-    /// distributed group, whose ranks must run the same forwards).
+    /// Behind rounds whose lookup found nothing to draft, which nothing can reject: those
+    /// then run at plain decoding's pipelined speed.
     Auto,
-    /// Whenever there is room, whatever it costs.
+    /// Behind every round, on the guess that it keeps every draft.
     Always,
     /// Read each round before queueing the next.
     Off,
@@ -243,11 +243,6 @@ impl DraftTuning {
                  between the ranks of a distributed group; give a fixed --max-draft N"
             );
         }
-        // Under `auto` whether a round is queued ahead depends on this process's timings:
-        // ranks that chose differently would run different forwards.
-        if self.verify_ahead == VerifyAheadArg::Auto {
-            self.verify_ahead = VerifyAheadArg::Off;
-        }
         match self.draft_ahead {
             DraftAheadArg::Auto | DraftAheadArg::Off => {
                 self.draft_ahead = DraftAheadArg::Off;
@@ -264,7 +259,7 @@ impl DraftTuning {
     /// When rounds are queued ahead (`--verify-ahead`).
     pub fn verify_ahead(&self) -> VerifyAheadMode {
         match self.verify_ahead {
-            VerifyAheadArg::Auto => VerifyAheadMode::Measured,
+            VerifyAheadArg::Auto => VerifyAheadMode::Auto,
             VerifyAheadArg::Always => VerifyAheadMode::Always,
             VerifyAheadArg::Off => VerifyAheadMode::Off,
         }
@@ -530,8 +525,8 @@ mod tests {
     #[test]
     fn verify_ahead_values_map_to_the_modes() {
         let mode = |extra: &[&str]| parse(extra).expect("parses").tuning.verify_ahead();
-        assert_eq!(mode(&[]), VerifyAheadMode::Measured, "default auto");
-        assert_eq!(mode(&["--verify-ahead", "auto"]), VerifyAheadMode::Measured);
+        assert_eq!(mode(&[]), VerifyAheadMode::Auto, "default auto");
+        assert_eq!(mode(&["--verify-ahead", "auto"]), VerifyAheadMode::Auto);
         assert_eq!(mode(&["--verify-ahead", "always"]), VerifyAheadMode::Always);
         assert_eq!(mode(&["--verify-ahead", "off"]), VerifyAheadMode::Off);
         rejected(&["--verify-ahead", "on"], "--verify-ahead");
@@ -560,16 +555,11 @@ mod tests {
         probe.tuning.for_group().expect("defaults suit a group");
         let options = probe.tuning.options(Dtype::Float32, 16).expect("options");
         assert_eq!(options.draft_ahead, Some(DraftAhead::Off), "auto is off");
-        assert_eq!(
-            probe.tuning.verify_ahead(),
-            VerifyAheadMode::Off,
-            "--verify-ahead auto is off"
-        );
         let mut always = parse(&["--verify-ahead", "always"]).expect("parses");
         always
             .tuning
             .for_group()
-            .expect("always does not depend on timings");
+            .expect("queueing ahead does not depend on timings");
         assert_eq!(always.tuning.verify_ahead(), VerifyAheadMode::Always);
         for (extra, says) in [
             (&["--max-draft", "auto:4"][..], "--max-draft"),

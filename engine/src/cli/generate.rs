@@ -64,7 +64,8 @@ pub struct GenerateArgs {
     json: bool,
     /// Speculative decoding with this drafter: `ngram` (prompt lookup), a DFlash or
     /// DSpark checkpoint (directory or cached hub id; its config.json says which), or
-    /// `model:DIR` (a smaller model with the target's tokenizer).
+    /// `model:DIR` (a smaller model with the target's tokenizer), or `replay:FILE` (the
+    /// answer of an earlier `--json` run drafted back: the best case of speculation).
     #[arg(long)]
     drafter: Option<String>,
     #[command(flatten)]

@@ -42,7 +42,7 @@ const PROBE_EVERY_MAX: usize = 256;
 
 /// Least-squares line `y ≈ a + b·x` over decayed observations.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct LineFit {
+struct LineFit {
     n: f64,
     sx: f64,
     sy: f64,
@@ -53,7 +53,7 @@ pub(crate) struct LineFit {
 }
 
 impl LineFit {
-    pub(crate) fn observe(&mut self, x: f64, y: f64) {
+    fn observe(&mut self, x: f64, y: f64) {
         for s in [
             &mut self.n,
             &mut self.sx,
@@ -79,7 +79,7 @@ impl LineFit {
     /// slope fitted on widths 1 and 2 alone and carried to 17 would rule out every wide
     /// round on a device whose verify cost is flat in width but noisy (a GPU bound by
     /// the host), and no wide round would ever come to correct it.
-    pub(crate) fn predict(&self, x: f64, through_origin: bool) -> Option<f64> {
+    fn predict(&self, x: f64, through_origin: bool) -> Option<f64> {
         if self.n < 1e-9 {
             return None;
         }

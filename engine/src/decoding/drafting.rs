@@ -2,6 +2,8 @@
 //!
 //! - a kind chosen by name alone (`ngram`);
 //! - `model:DIR` (a directory or cached hub id): that model drafts for the target;
+//! - `replay:FILE`: an earlier `dspec generate --json` answer, drafted back (see
+//!   [`dspec_drafters::replay`]);
 //! - a checkpoint directory or cached hub id: its config.json says its kind
 //!   (`dflash`, `dspark`, …); a plain model checkpoint becomes a draft model.
 //!
@@ -15,6 +17,8 @@ use dspec_plugin_api::{
     DrafterLoadRequest, DrafterOptions, DrafterRegistration, LoadOptions, LoadRequest, ModelError,
     TargetModel,
 };
+
+use dspec_drafters::replay::ReplayDrafter;
 
 use crate::error::EngineError;
 use crate::loading::model_source::resolve_model_dir;
@@ -75,6 +79,10 @@ pub fn load_drafter(
 
     if let Some(kind) = drafter_kind_by_name(spec)? {
         return run(kind, None, &serde_json::Value::Null);
+    }
+    if let Some(file) = spec.strip_prefix("replay:") {
+        let vocab = target.model.info().vocab_size;
+        return Ok(Box::new(ReplayDrafter::from_file(Path::new(file), vocab)?));
     }
     let (model_only, location) = match spec.strip_prefix("model:") {
         Some(rest) => (true, rest),

@@ -34,7 +34,7 @@ use crate::decoding::generate::{
 use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
 use crate::decoding::prompt_cache::PromptCache;
 use crate::decoding::sampling::Sampler;
-use crate::decoding::verify_ahead::{RoundTiming, VerifyAhead, VerifyAheadMode};
+use crate::decoding::verify_ahead::VerifyAheadMode;
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
 
@@ -124,7 +124,7 @@ pub struct RoundTrace {
     /// was queued ahead of that read, to its own read (its drafting excluded).
     pub verify_ms: f64,
     /// Whether the round was queued before the round before it was read (plain steps
-    /// always are; rounds with drafts are under [`Speculation::verify_ahead`]).
+    /// after the first of a run are; lookup rounds under [`Speculation::verify_ahead`]).
     pub queued_ahead: bool,
     /// Seconds the host spent building the round's forward and queueing it on the
     /// device, where that is apart from waiting for it (not in rounds whose drafts come
@@ -279,6 +279,8 @@ struct PlainStep {
     logits: Option<Array>,
     /// Seconds the host spent building and queueing it.
     host_seconds: f64,
+    /// Whether the step before it was still in flight when it was queued.
+    queued_ahead: bool,
 }
 
 /// The state of a speculative generation between rounds.
@@ -299,9 +301,7 @@ struct Rounds<'a, 't, 'l> {
     kept_hidden: Option<Vec<Array>>,
     logprobs: Option<LogprobSink<'l>>,
     /// Set when rounds may be queued ahead (see [`Speculation::verify_ahead`]).
-    ahead: Option<VerifyAhead>,
-    /// The last round read had a round queued after it thrown away.
-    guess_failed: bool,
+    ahead: Option<VerifyAheadMode>,
 }
 
 /// A greedy verify queued and not read yet (rounds of a lookup drafter).
@@ -321,8 +321,6 @@ struct QueuedVerify {
     queued_ahead: bool,
     /// Seconds the host spent building and queueing it.
     host_seconds: f64,
-    /// Whether the round before it had a round queued after it thrown away.
-    after_failed_guess: bool,
 }
 
 impl QueuedVerify {
@@ -480,7 +478,6 @@ impl Rounds<'_, '_, '_> {
         draft_seconds: f64,
         queued_ahead: bool,
     ) -> Result<QueuedVerify, EngineError> {
-        let after_failed_guess = std::mem::take(&mut self.guess_failed);
         let t = Instant::now();
         let input = match drafts.len() {
             0 => first.0.clone(),
@@ -500,18 +497,17 @@ impl Rounds<'_, '_, '_> {
             draft_seconds,
             queued_ahead,
             host_seconds,
-            after_failed_guess,
         })
     }
 
     /// Greedy rounds of a lookup drafter, each queued before the one before it is read
-    /// while [`VerifyAhead`] says it pays: the drafter is asked for the tokens past the
-    /// round being verified, its guess of that round's last token included, and the next
-    /// round feeds that round's still lazy last token followed by the drafts after the
-    /// guess. It stands if the round keeps every draft (wrong drafts after a wrong guess
-    /// are only rejected, so the output stays plain greedy's); otherwise it is trimmed
-    /// from the cache, unread. Starts with a round of `k` drafts and returns when a
-    /// round was read with none queued after it, or generation ended.
+    /// where [`VerifyAheadMode::queues_after`] says so. The drafter is asked for the
+    /// tokens past the round being verified, its guess of that round's last token
+    /// included, and the next round feeds that round's still lazy last token followed
+    /// by the drafts after the guess. It stands if the round keeps every draft (wrong
+    /// drafts after a wrong guess are only rejected, so the output stays plain greedy's);
+    /// otherwise it is trimmed from the cache, unread. Starts with a round of `k` drafts
+    /// and returns when a round was read with none queued after it, or generation ended.
     fn lookup_rounds(&mut self, k: usize) -> Result<Option<StopReason>, EngineError> {
         let mut since = Instant::now();
         let max_draft = self.length.max();
@@ -540,10 +536,9 @@ impl Rounds<'_, '_, '_> {
             };
             if next_k > 0 {
                 let drafts: Vec<u32> = beyond.iter().skip(1).take(next_k).copied().collect();
-                let queue = match self.ahead.as_mut() {
-                    Some(policy) => policy.should_queue(1 + drafts.len()),
-                    None => false,
-                };
+                let queue = self
+                    .ahead
+                    .is_some_and(|mode| mode.queues_after(current.drafts.len()));
                 if queue {
                     let last = current
                         .argmax
@@ -565,14 +560,12 @@ impl Rounds<'_, '_, '_> {
             let first = current.first.ok_or_else(|| {
                 EngineError::Mlx("a verify was read before the round it follows".into())
             })?;
-            let queued_next = ahead.is_some();
             match (&ahead, whole) {
                 (Some(queued), false) => {
                     // Queued on a guess that did not hold: gone unread.
                     self.cache
                         .trim(current.drafts.len() - accepted + queued.width())?;
                     ahead = None;
-                    self.guess_failed = true;
                 }
                 _ => self.cache.trim(current.drafts.len() - accepted)?,
             }
@@ -596,15 +589,6 @@ impl Rounds<'_, '_, '_> {
                 host_ms: Some(current.host_seconds * 1e3),
             })?;
             self.tally.round(current.drafts.len(), accepted);
-            if let Some(policy) = self.ahead.as_mut() {
-                policy.observe_round(RoundTiming {
-                    width: current.width(),
-                    seconds: round_seconds,
-                    queued_ahead: current.queued_ahead,
-                    queued_next,
-                    after_failed_guess: current.after_failed_guess,
-                });
-            }
             match (current.drafts.len(), current.queued_ahead) {
                 (0, true) => self.length.observe(0, 0, 0.0, round_seconds),
                 (0, false) => self.length.observe_empty(round_seconds),
@@ -647,14 +631,6 @@ impl Rounds<'_, '_, '_> {
                 return Ok(Some(stop));
             }
             let Some(mut queued) = ahead else {
-                // Without a round queued after it, whether one would have stood is
-                // judged by this round alone.
-                if let (Some(policy), false) = (self.ahead.as_mut(), queued_next) {
-                    policy.observe_outcome(whole);
-                }
-                if queued_next {
-                    self.observe_stood(false);
-                }
                 return Ok(None);
             };
             // The round queued ahead is valid. Its drafts were looked up before this
@@ -666,11 +642,8 @@ impl Rounds<'_, '_, '_> {
             proposal = self.propose_lookup(next, queued.drafts.len() + 1 + max_draft)?;
             let Some(rest) = proposal.tokens.strip_prefix(queued.drafts.as_slice()) else {
                 self.cache.trim(queued.width())?;
-                self.guess_failed = true;
-                self.observe_stood(false);
                 return Ok(None);
             };
-            self.observe_stood(true);
             beyond = rest.to_vec();
             queued.first = Some(next);
             queued.draft_seconds += proposal.seconds;
@@ -678,15 +651,9 @@ impl Rounds<'_, '_, '_> {
         }
     }
 
-    /// Tells the policy whether a round queued ahead stood.
-    fn observe_stood(&mut self, stood: bool) {
-        if let Some(policy) = self.ahead.as_mut() {
-            policy.observe_outcome(stood);
-        }
-    }
-
     /// Builds and queues the plain step that feeds `token` (possibly still lazy).
-    fn queue_plain(&mut self, token: &Array) -> Result<PlainStep, EngineError> {
+    /// `queued_ahead`: the step before it is still in flight.
+    fn queue_plain(&mut self, token: &Array, queued_ahead: bool) -> Result<PlainStep, EngineError> {
         let t = Instant::now();
         let out = self.model.forward(token, &mut self.cache, &self.taps)?;
         let logits = out.logits.try_index((.., -1, ..))?;
@@ -694,6 +661,7 @@ impl Rounds<'_, '_, '_> {
         async_eval(std::iter::once(&token).chain(out.hidden.iter()))?;
         Ok(PlainStep {
             host_seconds: t.elapsed().as_secs_f64(),
+            queued_ahead,
             token,
             hidden: out.hidden,
             logits: self.logprobs.is_some().then_some(logits),
@@ -727,7 +695,7 @@ impl Rounds<'_, '_, '_> {
             .map_or(COMMIT_EVERY, |p| p.clamp(1, COMMIT_EVERY));
         let mut fed = vec![self.last];
         let mut hidden = Vec::new();
-        let mut current = self.queue_plain(&Array::from_slice(&[self.last], &[1, 1]))?;
+        let mut current = self.queue_plain(&Array::from_slice(&[self.last], &[1, 1]), false)?;
         let mut since = Instant::now();
         let outcome = loop {
             // Chosen before this step is read or observed (the price of keeping two
@@ -735,7 +703,7 @@ impl Rounds<'_, '_, '_> {
             let room_after = self.room() - 1;
             let next_k = (room_after > 0).then(|| self.length.next(room_after - 1));
             let queued = match next_k {
-                Some(0) => Some(self.queue_plain(&current.token)?),
+                Some(0) => Some(self.queue_plain(&current.token, true)?),
                 _ => None,
             };
             let token = token_value(&current.token)?;
@@ -750,7 +718,7 @@ impl Rounds<'_, '_, '_> {
                 target_token: token,
                 draft_ms: 0.0,
                 verify_ms: seconds * 1e3,
-                queued_ahead: true,
+                queued_ahead: current.queued_ahead,
                 host_ms: Some(current.host_seconds * 1e3),
             })?;
             self.tally.round(0, 0);
@@ -971,7 +939,7 @@ pub fn generate_speculative_serving(
         && drafter.drafts_by_lookup()
         && cache.rollback_window().is_none()
     {
-        true => VerifyAhead::for_mode(verify_ahead),
+        true => Some(verify_ahead).filter(|mode| *mode != VerifyAheadMode::Off),
         false => None,
     };
     let mut rounds = Rounds {
@@ -988,7 +956,6 @@ pub fn generate_speculative_serving(
         kept_hidden,
         logprobs,
         ahead,
-        guess_failed: false,
     };
     let mut planned = None;
     while stop.is_none() {
