@@ -59,15 +59,16 @@ pub fn receive(group: &Distributed) -> Result<Message, EngineError> {
 pub fn check_settings(group: &Distributed, engine: &Engine) -> Result<(), EngineError> {
     let info = engine.loaded.model.info();
     let settings = format!(
-        "{} {} {} {:?} {}",
+        "{} {} {} {:?} {:?} {}",
         engine.drafter.name(),
         engine.max_draft,
         engine.adaptive,
+        engine.verify_ahead,
         info.dtype,
         engine.prompt_cache.usage().budget_bytes,
     );
     group.check_same(
-        "serving settings (drafter, --max-draft, --dtype, --prompt-cache-bytes)",
+        "serving settings (drafter, --max-draft, --verify-ahead, --dtype, --prompt-cache-bytes)",
         settings.as_bytes(),
     )
 }
