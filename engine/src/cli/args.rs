@@ -153,8 +153,8 @@ pub struct DraftTuning {
 /// `--verify-ahead`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum VerifyAheadArg {
-    /// Behind rounds whose lookup found nothing to draft, which nothing can reject: those
-    /// then run at plain decoding's pipelined speed.
+    /// Behind rounds whose lookup found nothing to draft, which nothing can reject, at a
+    /// fixed --max-draft: those then run at plain decoding's pipelined speed.
     Auto,
     /// Behind every round, on the guess that it keeps every draft.
     Always,

@@ -939,7 +939,8 @@ pub fn generate_speculative_serving(
         && drafter.drafts_by_lookup()
         && cache.rollback_window().is_none()
     {
-        true => Some(verify_ahead).filter(|mode| *mode != VerifyAheadMode::Off),
+        true => Some(verify_ahead.with_draft_length(adaptive))
+            .filter(|mode| *mode != VerifyAheadMode::Off),
         false => None,
     };
     let mut rounds = Rounds {

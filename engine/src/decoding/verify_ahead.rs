@@ -20,7 +20,11 @@
 //! a pipelined step. Behind rounds with drafts, queueing ahead saved host time in the
 //! rounds that stood but lost more in those thrown away on an H100 at 1.5B
 //! (docs/benchmarks.md, "Rounds queued ahead"), so `auto` queues only behind rounds
-//! without drafts, and `always` behind every round.
+//! without drafts, and `always` behind every round. Under `--max-draft auto` the
+//! draft-length controller already turns stretches without drafts into pipelined plain
+//! steps, and reads a lookup that found nothing as evidence against drafting; queued
+//! ahead, such rounds passed for plain steps and kept it drafting (0.89–0.92× plain on
+//! the H100 against 1.02×), so there `auto` queues nothing.
 
 use serde::Serialize;
 
@@ -37,6 +41,14 @@ pub enum VerifyAheadMode {
 }
 
 impl VerifyAheadMode {
+    /// The mode in force when the draft length is chosen per round (`adaptive`) or not.
+    pub fn with_draft_length(self, adaptive: bool) -> Self {
+        match (self, adaptive) {
+            (VerifyAheadMode::Auto, true) => VerifyAheadMode::Off,
+            (mode, _) => mode,
+        }
+    }
+
     /// Whether a round is queued behind one of `drafts` drafts before that one is read.
     pub fn queues_after(self, drafts: usize) -> bool {
         match self {
@@ -57,5 +69,14 @@ mod tests {
         assert!(!VerifyAheadMode::Auto.queues_after(1));
         assert!(VerifyAheadMode::Always.queues_after(5));
         assert!(!VerifyAheadMode::Off.queues_after(0));
+    }
+
+    #[test]
+    fn auto_leaves_an_adaptive_draft_length_its_own_plain_steps() {
+        let auto = VerifyAheadMode::Auto;
+        assert_eq!(auto.with_draft_length(true), VerifyAheadMode::Off);
+        assert_eq!(auto.with_draft_length(false), auto);
+        let always = VerifyAheadMode::Always;
+        assert_eq!(always.with_draft_length(true), always);
     }
 }
