@@ -154,7 +154,8 @@ pub struct DraftTuning {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum VerifyAheadArg {
     /// Behind rounds whose lookup found nothing to draft, which nothing can reject, at a
-    /// fixed --max-draft: those then run at plain decoding's pipelined speed.
+    /// fixed --max-draft: those then run at plain decoding's pipelined speed. Off on the
+    /// CPU, whose host work and arithmetic share the cores.
     Auto,
     /// Behind every round, on the guess that it keeps every draft.
     Always,
@@ -256,10 +257,15 @@ impl DraftTuning {
         }
     }
 
-    /// When rounds are queued ahead (`--verify-ahead`).
+    /// When rounds are queued ahead (`--verify-ahead`). On the CPU nothing overlaps, so
+    /// a round queued ahead saves nothing, and a lookup of one token, which a round queued
+    /// behind one without drafts takes as its guess, goes undrafted.
     pub fn verify_ahead(&self) -> VerifyAheadMode {
         match self.verify_ahead {
-            VerifyAheadArg::Auto => VerifyAheadMode::Auto,
+            VerifyAheadArg::Auto => match Backend::current() {
+                Backend::Cpu => VerifyAheadMode::Off,
+                Backend::Cuda | Backend::Metal => VerifyAheadMode::Auto,
+            },
             VerifyAheadArg::Always => VerifyAheadMode::Always,
             VerifyAheadArg::Off => VerifyAheadMode::Off,
         }
@@ -525,8 +531,12 @@ mod tests {
     #[test]
     fn verify_ahead_values_map_to_the_modes() {
         let mode = |extra: &[&str]| parse(extra).expect("parses").tuning.verify_ahead();
-        assert_eq!(mode(&[]), VerifyAheadMode::Auto, "default auto");
-        assert_eq!(mode(&["--verify-ahead", "auto"]), VerifyAheadMode::Auto);
+        let auto = match Backend::current() {
+            Backend::Cpu => VerifyAheadMode::Off,
+            Backend::Cuda | Backend::Metal => VerifyAheadMode::Auto,
+        };
+        assert_eq!(mode(&[]), auto, "default auto: off on the CPU");
+        assert_eq!(mode(&["--verify-ahead", "auto"]), auto);
         assert_eq!(mode(&["--verify-ahead", "always"]), VerifyAheadMode::Always);
         assert_eq!(mode(&["--verify-ahead", "off"]), VerifyAheadMode::Off);
         rejected(&["--verify-ahead", "on"], "--verify-ahead");

@@ -34,7 +34,8 @@ use serde::Serialize;
 pub enum VerifyAheadMode {
     /// Each round is read before the next is queued.
     Off,
-    /// Behind rounds without drafts, where the round queued ahead always stands.
+    /// Behind rounds without drafts, where the round queued ahead always stands (the
+    /// CLI's `auto` on a GPU; on the CPU it is `Off`).
     Auto,
     /// Behind every round, on the guess that it keeps every draft.
     Always,
