@@ -27,18 +27,9 @@ unless the verify computes each row as a plain step does (`--spec-args "--verify
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 
-
-def run(cmd):
-    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        print(out.stderr.strip()[-2000:], file=sys.stderr)
-        return None
-    return json.loads(out.stdout)
+from gpu_verify_cost import dspec_json as run
 
 
 def main():

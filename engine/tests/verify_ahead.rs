@@ -9,14 +9,14 @@ use dspec_drafters::ngram::NgramDrafter;
 use dspec_drafters::replay::ReplayDrafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
+use dspec_engine::decoding::speculative::SpeculativeOutput;
 use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, TargetModel, TokenPicker};
 
 mod common;
-use common::{greedy, tiny_target as load};
+use common::{greedy, greedy_config, speculate_queueing, tiny_target as load};
 
 /// Drafts as a lookup does: its answer depends only on what was committed and where the
 /// proposal starts, and asking again changes nothing. It knows the true greedy
@@ -98,15 +98,6 @@ impl Drafter for LookupOracle {
     }
 }
 
-fn greedy_config(max_tokens: usize, eos_ids: Vec<u32>) -> GenerationConfig {
-    GenerationConfig {
-        max_tokens,
-        sampling: SamplingParams::default(),
-        stop_strings: Vec::new(),
-        eos_ids,
-    }
-}
-
 /// Generates with `drafter`, traced; returns the output and the trace's rounds.
 fn run(
     loaded: &LoadedModel,
@@ -117,21 +108,15 @@ fn run(
     mode: VerifyAheadMode,
 ) -> (SpeculativeOutput, Vec<serde_json::Value>) {
     let mut trace = Vec::new();
-    let out = generate_speculative(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
+    let out = speculate_queueing(
+        loaded,
+        drafter,
         prompt,
         config,
-        Speculation {
-            drafter,
-            max_draft,
-            adaptive: false,
-            trace: Some(&mut trace),
-            verify_ahead: mode,
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+        max_draft,
+        Some(&mut trace),
+        mode,
+    );
     let rounds = String::from_utf8(trace)
         .unwrap()
         .lines()

@@ -304,6 +304,24 @@ struct Rounds<'a, 't, 'l> {
     ahead: Option<VerifyAheadMode>,
 }
 
+/// A round whose verify was read, as [`Rounds::finish_round`] ends it.
+struct ReadRound<'r> {
+    /// The token it fed before its drafts.
+    first: u32,
+    drafts: &'r [u32],
+    accepted: usize,
+    /// The target's own token after the accepted drafts.
+    next: u32,
+    /// The verify's logits, `[1 + drafts, vocab]` (for log-probabilities).
+    logits: Option<&'r Array>,
+    /// The target's states at every position fed, when the drafter taps them.
+    hidden: Option<&'r Array>,
+    draft_ms: f64,
+    verify_ms: f64,
+    queued_ahead: bool,
+    host_ms: Option<f64>,
+}
+
 /// A greedy verify queued and not read yet (rounds of a lookup drafter).
 struct QueuedVerify {
     /// The token it feeds first; `None` while that is the still lazy last token of the
@@ -395,49 +413,18 @@ impl Rounds<'_, '_, '_> {
         };
         let verify_elapsed = t.elapsed();
         self.cache.trim(draft.tokens.len() - accepted)?;
-        let hidden = match &out.hidden {
-            Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
-            None => None,
-        };
-        self.keep_hidden(hidden.as_ref());
-        self.drafter
-            .commit(&input[..1 + accepted], hidden.as_ref())?;
-        self.write_trace(RoundTrace {
-            round: self.tally.forwards,
-            position: self.committer.tokens.len(),
-            drafted: draft.tokens.clone(),
+        let stop = self.finish_round(ReadRound {
+            first: self.last,
+            drafts: &draft.tokens,
             accepted,
-            target_token: next,
+            next,
+            logits: Some(&logits),
+            hidden: out.hidden.as_ref(),
             draft_ms: draft_elapsed.as_secs_f64() * 1e3,
             verify_ms: verify_elapsed.as_secs_f64() * 1e3,
             queued_ahead: false,
             host_ms: None,
         })?;
-        self.tally.round(draft.tokens.len(), accepted);
-
-        self.last = next;
-        let kept: Vec<u32> = draft.tokens[..accepted]
-            .iter()
-            .chain([&next])
-            .copied()
-            .collect();
-        let entries = match &self.logprobs {
-            Some(sink) => Some(token_logprobs(&logits, &kept, sink.top)?),
-            None => None,
-        };
-        let mut stop = None;
-        let mut committed = 0;
-        for &token in &kept {
-            committed += 1;
-            stop = self.committer.push(token)?;
-            if stop.is_some() {
-                break;
-            }
-        }
-        if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
-            sink.keep(entries, committed, stop);
-        }
-        let stop = self.committer.end_round(stop)?;
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
         // token to token.
@@ -451,6 +438,66 @@ impl Rounds<'_, '_, '_> {
             ),
         }
         Ok(stop)
+    }
+
+    /// Ends a round whose verify was read: the drafter hears of the positions kept (with
+    /// the target's states there), the trace and the tally record the round, and the
+    /// kept drafts and the target's own token are committed one by one, stopping
+    /// exactly where plain decoding would. Returns the stop reason when generation ends.
+    fn finish_round(&mut self, round: ReadRound<'_>) -> Result<Option<StopReason>, EngineError> {
+        let ReadRound {
+            first,
+            drafts,
+            accepted,
+            next,
+            logits,
+            hidden,
+            draft_ms,
+            verify_ms,
+            queued_ahead,
+            host_ms,
+        } = round;
+        let hidden = match hidden {
+            Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
+            None => None,
+        };
+        self.keep_hidden(hidden.as_ref());
+        let mut fed = Vec::with_capacity(1 + accepted);
+        fed.push(first);
+        fed.extend_from_slice(&drafts[..accepted]);
+        self.drafter.commit(&fed, hidden.as_ref())?;
+        self.write_trace(RoundTrace {
+            round: self.tally.forwards,
+            position: self.committer.tokens.len(),
+            drafted: drafts.to_vec(),
+            accepted,
+            target_token: next,
+            draft_ms,
+            verify_ms,
+            queued_ahead,
+            host_ms,
+        })?;
+        self.tally.round(drafts.len(), accepted);
+
+        self.last = next;
+        let kept: Vec<u32> = drafts[..accepted].iter().chain([&next]).copied().collect();
+        let entries = match (&self.logprobs, logits) {
+            (Some(sink), Some(logits)) => Some(token_logprobs(logits, &kept, sink.top)?),
+            _ => None,
+        };
+        let mut stop = None;
+        let mut committed = 0;
+        for &token in &kept {
+            committed += 1;
+            stop = self.committer.push(token)?;
+            if stop.is_some() {
+                break;
+            }
+        }
+        if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
+            sink.keep(entries, committed, stop);
+        }
+        self.committer.end_round(stop)
     }
 
     /// Asks a lookup drafter for `max_k` tokens to follow `last`.
@@ -530,22 +577,20 @@ impl Rounds<'_, '_, '_> {
             // every draft; as many drafts as the controller would ask for then.
             let room_after = self.room().saturating_sub(current.width());
             let mut ahead = None;
-            let next_k = match room_after {
-                0 => 0,
-                room => self.length.next(room - 1),
+            let queue = self
+                .ahead
+                .is_some_and(|mode| mode.queues_after(current.drafts.len()));
+            let next_k = match (queue, room_after) {
+                (false, _) | (_, 0) => 0,
+                (true, room) => self.length.next(room - 1),
             };
             if next_k > 0 {
                 let drafts: Vec<u32> = beyond.iter().skip(1).take(next_k).copied().collect();
-                let queue = self
-                    .ahead
-                    .is_some_and(|mode| mode.queues_after(current.drafts.len()));
-                if queue {
-                    let last = current
-                        .argmax
-                        .try_index(current.drafts.len() as i32..current.width() as i32)?
-                        .reshape(&[1, 1])?;
-                    ahead = Some(self.queue_verify((&last, None), &drafts, 0.0, true)?);
-                }
+                let last = current
+                    .argmax
+                    .try_index(current.drafts.len() as i32..current.width() as i32)?
+                    .reshape(&[1, 1])?;
+                ahead = Some(self.queue_verify((&last, None), &drafts, 0.0, true)?);
             }
 
             // Read the current round.
@@ -569,26 +614,6 @@ impl Rounds<'_, '_, '_> {
                 }
                 _ => self.cache.trim(current.drafts.len() - accepted)?,
             }
-            let hidden = match &current.hidden {
-                Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
-                None => None,
-            };
-            self.keep_hidden(hidden.as_ref());
-            let mut fed = vec![first];
-            fed.extend_from_slice(&current.drafts[..accepted]);
-            self.drafter.commit(&fed, hidden.as_ref())?;
-            self.write_trace(RoundTrace {
-                round: self.tally.forwards,
-                position: self.committer.tokens.len(),
-                drafted: current.drafts.clone(),
-                accepted,
-                target_token: next,
-                draft_ms: current.draft_seconds * 1e3,
-                verify_ms: round_seconds * 1e3,
-                queued_ahead: current.queued_ahead,
-                host_ms: Some(current.host_seconds * 1e3),
-            })?;
-            self.tally.round(current.drafts.len(), accepted);
             match (current.drafts.len(), current.queued_ahead) {
                 (0, true) => self.length.observe(0, 0, 0.0, round_seconds),
                 (0, false) => self.length.observe_empty(round_seconds),
@@ -597,30 +622,18 @@ impl Rounds<'_, '_, '_> {
                         .observe(drafted, accepted, current.draft_seconds, round_seconds)
                 }
             }
-
-            self.last = next;
-            let kept: Vec<u32> = current.drafts[..accepted]
-                .iter()
-                .chain([&next])
-                .copied()
-                .collect();
-            let entries = match (&self.logprobs, &current.logits) {
-                (Some(sink), Some(logits)) => Some(token_logprobs(logits, &kept, sink.top)?),
-                _ => None,
-            };
-            let mut stop = None;
-            let mut committed = 0;
-            for &token in &kept {
-                committed += 1;
-                stop = self.committer.push(token)?;
-                if stop.is_some() {
-                    break;
-                }
-            }
-            if let (Some(sink), Some(entries)) = (self.logprobs.as_mut(), entries) {
-                sink.keep(entries, committed, stop);
-            }
-            let stop = self.committer.end_round(stop)?;
+            let stop = self.finish_round(ReadRound {
+                first,
+                drafts: &current.drafts,
+                accepted,
+                next,
+                logits: current.logits.as_ref(),
+                hidden: current.hidden.as_ref(),
+                draft_ms: current.draft_seconds * 1e3,
+                verify_ms: round_seconds * 1e3,
+                queued_ahead: current.queued_ahead,
+                host_ms: Some(current.host_seconds * 1e3),
+            })?;
             if let Some(stop) = stop {
                 if let Some(queued) = ahead {
                     // Queued past the end: let it finish, so nothing is in flight when

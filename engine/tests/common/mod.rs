@@ -97,7 +97,8 @@ pub fn load_checkpoint_drafter(
     })
 }
 
-/// Speculative generation that must succeed; `trace` receives `--trace` lines.
+/// Speculative generation that must succeed, rounds queued ahead wherever they may be;
+/// `trace` receives `--trace` lines.
 pub fn speculate(
     loaded: &LoadedModel,
     drafter: &mut dyn Drafter,
@@ -105,6 +106,27 @@ pub fn speculate(
     config: &GenerationConfig,
     max_draft: usize,
     trace: Option<&mut Vec<u8>>,
+) -> SpeculativeOutput {
+    speculate_queueing(
+        loaded,
+        drafter,
+        prompt,
+        config,
+        max_draft,
+        trace,
+        VerifyAheadMode::Always,
+    )
+}
+
+/// [`speculate`] with rounds queued ahead as `verify_ahead` says.
+pub fn speculate_queueing(
+    loaded: &LoadedModel,
+    drafter: &mut dyn Drafter,
+    prompt: &[u32],
+    config: &GenerationConfig,
+    max_draft: usize,
+    trace: Option<&mut Vec<u8>>,
+    verify_ahead: VerifyAheadMode,
 ) -> SpeculativeOutput {
     generate_speculative(
         loaded.model.as_ref(),
@@ -116,7 +138,7 @@ pub fn speculate(
             max_draft,
             adaptive: false,
             trace: trace.map(|t| t as &mut dyn std::io::Write),
-            verify_ahead: VerifyAheadMode::Always,
+            verify_ahead,
         },
         &mut |_| {},
     )
