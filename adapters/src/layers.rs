@@ -3,7 +3,7 @@
 
 mod lora_delta;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use mlx_rs::error::Exception;
 use mlx_rs::ops::{broadcast_to, concatenate, dequantize, matmul, quantize, quantized_matmul};
@@ -12,6 +12,7 @@ use mlx_rs::{fast, nn, Array};
 
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{LoraUpdate, Part, Quantization, WeightSource};
+use dspec_runtime::host_transpose::transposed_on_host;
 use dspec_runtime::slicing::slice_axis;
 use dspec_runtime::Backend;
 
@@ -181,8 +182,13 @@ pub fn is_row_layout(x: &Array) -> bool {
     shape.len() == 3 && shape[0] > 1 && shape[1] == 1
 }
 
-/// `x · wᵀ` for a dense `[out, in]` weight, also kept as its `[in, out]` view (a free
+/// `x · wᵀ` for a dense `[out, in]` weight, read through its `[in, out]` view (a free
 /// transpose) so a product is a plain matmul.
+///
+/// On the CPU the view is replaced by an `[in, out]` copy at the first product (see
+/// [`copied_to_inputs_by_outputs`]). At the first product, not at load: projections
+/// that are fused at load (q/k/v, gate/up) and embedding tables that never serve as a
+/// head are then never copied.
 ///
 /// The row layout (R positions as `[R, 1, in]`, the exact verify) must compute each
 /// position exactly as a one-token step would: MLX rounds a matrix-matrix product
@@ -191,23 +197,39 @@ pub fn is_row_layout(x: &Array) -> bool {
 /// broadcast is made once per R and kept: evaluated, it is a leaf of later graphs
 /// instead of a node queued again in every layer of every verify.
 struct DenseProduct {
-    weight: Array,
-    weight_t: Array,
+    weight_t: RefCell<Array>,
+    /// Whether `weight_t` is still the checkpoint's rows and is to be copied.
+    copy_pending: Cell<bool>,
     row_weights: RefCell<Vec<(i32, Array)>>,
 }
 
 impl DenseProduct {
     fn new(weight: Array) -> Self {
         Self {
-            weight_t: weight.t(),
-            weight,
+            copy_pending: Cell::new(copied_to_inputs_by_outputs(&weight)),
+            weight_t: RefCell::new(weight.t()),
             row_weights: RefCell::new(Vec::new()),
         }
     }
 
+    /// The `[out, in]` weight (a view when it is held as an `[in, out]` copy).
+    fn weight(&self) -> Array {
+        self.weight_t.borrow().t()
+    }
+
+    /// The `[in, out]` operand of products.
+    fn weight_t(&self) -> Result<Array> {
+        if self.copy_pending.get() {
+            let copy = transposed_on_host(&self.weight())?;
+            *self.weight_t.borrow_mut() = copy;
+            self.copy_pending.set(false);
+        }
+        Ok(self.weight_t.borrow().clone())
+    }
+
     fn forward(&self, x: &Array) -> Result<Array> {
         if !is_row_layout(x) {
-            return Ok(matmul(x, &self.weight_t)?);
+            return Ok(matmul(x, &self.weight_t()?)?);
         }
         let apart = rows_apart(x, Backend::current())?;
         Ok(matmul(&apart, &self.broadcast(x.shape()[0])?)?)
@@ -215,15 +237,26 @@ impl DenseProduct {
 
     /// The weight broadcast to `[rows, in, out]`.
     fn broadcast(&self, rows: i32) -> Result<Array> {
+        let weight_t = self.weight_t()?;
         let mut made = self.row_weights.borrow_mut();
         if let Some((_, w)) = made.iter().find(|(r, _)| *r == rows) {
             return Ok(w.clone());
         }
-        let shape = self.weight_t.shape();
-        let w = broadcast_to(&self.weight_t, &[rows, shape[0], shape[1]])?;
+        let shape = weight_t.shape();
+        let w = broadcast_to(&weight_t, &[rows, shape[0], shape[1]])?;
         made.push((rows, w.clone()));
         Ok(w)
     }
+}
+
+/// Whether a dense weight is copied into the `[in, out]` layout, so that products read
+/// it untransposed. On the CPU, MLX hands f32 products to BLAS `sgemm`, and OpenBLAS
+/// streams an untransposed weight markedly faster at every row count, one-row decode
+/// steps included (docs/benchmarks.md, "Weight layout on the CPU"). The copy replaces
+/// the checkpoint's rows, so memory does not grow. GPU backends keep the checkpoint's
+/// `[out, in]`: their matrix-vector kernels (and mlx-lm's) are built for it.
+fn copied_to_inputs_by_outputs(weight: &Array) -> bool {
+    Backend::current() == Backend::Cpu && weight.dtype() == mlx_rs::Dtype::Float32
 }
 
 /// The rows of `x` (`[R, 1, in]`) laid out so that MLX multiplies each by itself with
@@ -247,7 +280,7 @@ impl LinearWeight {
     /// The dtype activations meet this weight in.
     fn dtype(&self) -> mlx_rs::Dtype {
         match self {
-            LinearWeight::Dense(d) => d.weight.dtype(),
+            LinearWeight::Dense(d) => d.weight().dtype(),
             LinearWeight::Quantized(q) => q.scales.dtype(),
         }
     }
@@ -445,7 +478,7 @@ impl Linear {
         let index = Array::from_slice(rows, &[rows.len() as i32]);
         let take = |a: &Array| a.take_axis(&index, 0);
         let weight = match &self.weight {
-            LinearWeight::Dense(d) => LinearWeight::Dense(DenseProduct::new(take(&d.weight)?)),
+            LinearWeight::Dense(d) => LinearWeight::Dense(DenseProduct::new(take(&d.weight())?)),
             LinearWeight::Quantized(q) => LinearWeight::Quantized(Quantized {
                 weight: take(&q.weight)?,
                 scales: take(&q.scales)?,
@@ -517,7 +550,7 @@ impl LinearWeight {
             // same layout (and MLX's CUDA backend the same kernels).
             Some(LinearWeight::Dense(_)) => {
                 let dense = |w: &LinearWeight| match w {
-                    LinearWeight::Dense(d) => Some(d.weight.clone()),
+                    LinearWeight::Dense(d) => Some(d.weight()),
                     LinearWeight::Quantized(_) => None,
                 };
                 Ok(stack(&dense)?.map(|w| LinearWeight::Dense(DenseProduct::new(w))))
@@ -591,7 +624,7 @@ impl Embedding {
     /// `[..] ids -> [.., hidden]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match &self.table {
-            Table::Dense(d) => Ok(d.weight.take_axis(ids, 0)?),
+            Table::Dense(d) => Ok(d.weight().take_axis(ids, 0)?),
             Table::Quantized(q) => {
                 let rows = |a: &Array| a.take_axis(ids, 0);
                 Ok(dequantize(
@@ -615,7 +648,7 @@ impl Embedding {
 
     pub fn dtype(&self) -> mlx_rs::Dtype {
         match &self.table {
-            Table::Dense(d) => d.weight.dtype(),
+            Table::Dense(d) => d.weight().dtype(),
             Table::Quantized(q) => q.scales.dtype(),
         }
     }
@@ -1000,6 +1033,71 @@ mod tests {
         );
     }
 
+    /// On the CPU an f32 weight is copied to `[in, out]` at its first product, not
+    /// before (a fused layer's parts are never copied), and the copy computes the same
+    /// products; other dtypes keep the checkpoint's rows. One-row and many-row products
+    /// of the copy agree bitwise at a model's sizes, as they do for the checkpoint's rows
+    /// (OpenBLAS's small-matrix kernels round tiny products differently either way):
+    /// exact speculative decoding relies on it.
+    #[test]
+    fn f32_weights_on_the_cpu_are_read_from_an_inputs_by_outputs_copy() {
+        assert_eq!(Backend::current(), Backend::Cpu, "the tests run on the CPU");
+        let w = random::normal::<f32>(&[256, 1536], None, None, Some(&random::key(5).unwrap()))
+            .unwrap();
+        let x = random::normal::<f32>(&[1, 5, 1536], None, None, Some(&random::key(6).unwrap()))
+            .unwrap();
+        let want = matmul(&x, w.t()).unwrap();
+
+        let (top, bottom) = (w.try_index(..64).unwrap(), w.try_index(64..).unwrap());
+        let parts = [
+            LinearWeight::Dense(DenseProduct::new(top)),
+            LinearWeight::Dense(DenseProduct::new(bottom)),
+        ];
+        let Some(LinearWeight::Dense(fused)) = LinearWeight::stacked(parts.iter()).unwrap() else {
+            panic!("dense parts fuse");
+        };
+        for part in &parts {
+            let LinearWeight::Dense(d) = part else {
+                unreachable!()
+            };
+            assert!(d.copy_pending.get(), "a part is copied only if it is used");
+        }
+        assert!(
+            fused.copy_pending.get(),
+            "nothing is copied before a product"
+        );
+
+        let y = fused.forward(&x).unwrap();
+        assert!(!fused.copy_pending.get());
+        let copy = fused.weight_t().unwrap();
+        assert_eq!(copy.shape(), &[1536, 256]);
+        assert!(
+            copy.try_as_slice::<f32>().is_ok(),
+            "a row-major [in, out] array"
+        );
+        assert!(copy.eq_values(w.t()).unwrap());
+        assert!(fused.weight().eq_values(&w).unwrap());
+        assert!(y.all_close(&want, 1e-5, 1e-5, None).unwrap());
+        for r in 0..5 {
+            let one = fused
+                .forward(&x.try_index((.., r..r + 1)).unwrap())
+                .unwrap();
+            let row = y.try_index((.., r..r + 1)).unwrap();
+            assert!(
+                row.eq_values(&one).unwrap(),
+                "row {r} of five differs from one row"
+            );
+        }
+
+        let half = DenseProduct::new(w.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap());
+        assert!(!half.copy_pending.get(), "only f32 products go to BLAS");
+        half.forward(&x.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap())
+            .unwrap();
+        let rows = half.weight_t().unwrap();
+        rows.eval().unwrap();
+        assert_eq!(rows.strides(), &[1, 1536], "a view of the rows");
+    }
+
     /// The row layout's products equal one-row products, bitwise, on whichever backend
     /// runs the test, and the layout keeps one broadcast weight per row count.
     #[test]
@@ -1026,7 +1124,8 @@ mod tests {
             let apart = rows_apart(&x, backend).unwrap();
             let rows = matmul(&apart, product.broadcast(4).unwrap()).unwrap();
             for r in 0..4 {
-                let one = matmul(x.try_index(r..r + 1).unwrap(), &product.weight_t).unwrap();
+                let one =
+                    matmul(x.try_index(r..r + 1).unwrap(), product.weight_t().unwrap()).unwrap();
                 let row = rows.try_index(r..r + 1).unwrap();
                 assert!(
                     row.all_close(&one, 1e-5, 1e-5, None).unwrap(),

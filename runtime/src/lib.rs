@@ -7,6 +7,7 @@
 
 pub mod backend;
 pub mod distributed;
+pub mod host_transpose;
 pub mod slicing;
 
 pub use backend::Backend;

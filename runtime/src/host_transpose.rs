@@ -1,0 +1,149 @@
+//! A 2-D f32 transpose done on the host, into a new row-major array.
+//!
+//! MLX's CPU backend copies a transposed view element by element in the output's order,
+//! reading the source a whole row apart at every step: for the weights of a model that
+//! is tens of seconds (docs/benchmarks.md, "Weight layout on the CPU"). Copying block by
+//! block keeps both sides in cache, and the machine's threads share the blocks.
+
+use std::thread;
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+
+/// Blocks of `BLOCK × BLOCK` elements go through registers; tiles of `TILE × TILE`
+/// elements of the source and of the destination stay in cache together.
+const BLOCK: usize = 8;
+const TILE: usize = 64;
+
+/// Below this many elements the copy runs on the calling thread.
+const THREADED_FROM: usize = 1 << 20;
+
+/// `a` (`[rows, cols]`, f32) transposed into a new row-major `[cols, rows]` array. The
+/// source is evaluated; the result is evaluated and is not a node of any graph.
+pub fn transposed_on_host(a: &Array) -> Result<Array, Exception> {
+    let shape = a.shape();
+    if shape.len() != 2 || a.dtype() != Dtype::Float32 {
+        return Err(Exception::custom(format!(
+            "transposed_on_host takes a 2-D f32 array, not {:?} {shape:?}",
+            a.dtype()
+        )));
+    }
+    let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+    let contiguous;
+    let src = match a.try_as_slice::<f32>() {
+        Ok(src) => src,
+        Err(_) => {
+            contiguous = a.contiguous()?;
+            contiguous.try_as_slice::<f32>().map_err(not_readable)?
+        }
+    };
+    // The destination is a buffer MLX allocates, so that it comes from MLX's cache of
+    // freed buffers (the weight this copy replaces frees one of the same size) and MLX
+    // owns it like any other. An array from host memory would be copied once more: MLX's
+    // CPU allocator cannot adopt a foreign buffer.
+    let out = Array::zeros::<f32>(&[cols as i32, rows as i32])?;
+    out.try_as_slice::<f32>().map_err(not_readable)?;
+    // SAFETY: `out` is evaluated, row-contiguous (checked just above) and holds
+    // rows × cols f32s; it was made here and nothing else refers to it, so writing
+    // through its data pointer is seen by no one before it is returned.
+    let dst = unsafe {
+        let data = mlx_sys::mlx_array_data_float32(out.as_ptr()).cast_mut();
+        std::slice::from_raw_parts_mut(data, rows * cols)
+    };
+    transpose_into(src, rows, cols, dst);
+    Ok(out)
+}
+
+fn not_readable(e: mlx_rs::error::AsSliceError) -> Exception {
+    Exception::custom(format!("reading an array to transpose on the host: {e}"))
+}
+
+/// Writes the transpose of `src` (`[rows, cols]`, row-major) into `dst` (`[cols, rows]`).
+fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    let threads = match src.len() >= THREADED_FROM {
+        true => thread::available_parallelism().map_or(1, |n| n.get()),
+        false => 1,
+    };
+    // Each thread owns a band of destination rows (source columns), whole tiles wide.
+    let band = cols.div_ceil(threads).div_ceil(TILE) * TILE;
+    if band == 0 {
+        return;
+    }
+    thread::scope(|scope| {
+        for (i, out) in dst.chunks_mut(band * rows).enumerate() {
+            scope.spawn(move || transpose_band(src, rows, cols, i * band, out));
+        }
+    });
+}
+
+/// Source columns `first..first + out.len() / rows`, written as rows of `out`: in
+/// blocks of `BLOCK × BLOCK` elements read a row at a time and written a row at a time
+/// through a block on the stack, the blocks walked tile by tile.
+fn transpose_band(src: &[f32], rows: usize, cols: usize, first: usize, out: &mut [f32]) {
+    let width = out.len() / rows;
+    let (whole_rows, whole_cols) = (rows / BLOCK * BLOCK, width / BLOCK * BLOCK);
+    for r_tile in (0..whole_rows).step_by(TILE) {
+        for c_tile in (0..whole_cols).step_by(TILE) {
+            for r0 in (r_tile..(r_tile + TILE).min(whole_rows)).step_by(BLOCK) {
+                for c0 in (c_tile..(c_tile + TILE).min(whole_cols)).step_by(BLOCK) {
+                    let mut block = [[0f32; BLOCK]; BLOCK];
+                    for (i, row) in src[r0 * cols + first + c0..]
+                        .chunks(cols)
+                        .take(BLOCK)
+                        .enumerate()
+                    {
+                        for (j, &v) in row[..BLOCK].iter().enumerate() {
+                            block[j][i] = v;
+                        }
+                    }
+                    for (j, line) in block.iter().enumerate() {
+                        let at = (c0 + j) * rows + r0;
+                        out[at..at + BLOCK].copy_from_slice(line);
+                    }
+                }
+            }
+        }
+    }
+    // The edges that are no whole block.
+    for c in 0..width {
+        let start = if c < whole_cols { whole_rows } else { 0 };
+        for r in start..rows {
+            out[c * rows + r] = src[r * cols + first + c];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::random;
+
+    /// Against MLX's own transpose, for shapes that are and are not whole tiles, small
+    /// (one thread) and large (threaded, with a band that is not a whole tile multiple
+    /// of the columns), and from a source that is itself a transposed view.
+    #[test]
+    fn equals_mlx_transpose() {
+        for (rows, cols) in [(1, 1), (3, 5), (32, 64), (33, 65), (1000, 1100), (7, 2048)] {
+            let a = random::normal::<f32>(&[rows, cols], None, None, None).unwrap();
+            let t = transposed_on_host(&a).unwrap();
+            assert_eq!(t.shape(), &[cols, rows]);
+            let want = a.t().contiguous().unwrap();
+            assert!(t.eq_values(&want).unwrap(), "{rows}x{cols}");
+            // Used as an operand like any array, and transposed back.
+            let back = transposed_on_host(&a.t()).unwrap();
+            assert!(back.eq_values(&a).unwrap(), "{rows}x{cols} from a view");
+            let doubled = t.add(&want).unwrap();
+            assert!(doubled
+                .eq_values(want.multiply(Array::from(2f32)).unwrap())
+                .unwrap());
+        }
+    }
+
+    #[test]
+    fn other_shapes_and_dtypes_are_refused() {
+        let three = Array::zeros::<f32>(&[2, 2, 2]).unwrap();
+        assert!(transposed_on_host(&three).is_err());
+        let ints = Array::zeros::<i32>(&[2, 2]).unwrap();
+        assert!(transposed_on_host(&ints).is_err());
+    }
+}
