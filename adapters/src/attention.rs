@@ -49,6 +49,9 @@ pub struct AttentionSpec {
 }
 
 /// The q, k and v projections of one layer.
+// One per layer, built at load and never moved on the hot path: the variants' sizes
+// do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Projections {
     Separate {
         q: Linear,

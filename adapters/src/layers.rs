@@ -3,7 +3,7 @@
 
 mod lora_delta;
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 
 use mlx_rs::error::Exception;
 use mlx_rs::ops::{broadcast_to, concatenate, dequantize, matmul, quantize, quantized_matmul};
@@ -12,7 +12,7 @@ use mlx_rs::{fast, nn, Array};
 
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{LoraUpdate, Part, Quantization, WeightSource};
-use dspec_runtime::host_transpose::transposed_on_host;
+use dspec_runtime::host_transpose::stacked_transposed_on_host;
 use dspec_runtime::slicing::slice_axis;
 use dspec_runtime::Backend;
 
@@ -187,8 +187,8 @@ pub fn is_row_layout(x: &Array) -> bool {
 ///
 /// On the CPU the view is replaced by an `[in, out]` copy at the first product (see
 /// [`copied_to_inputs_by_outputs`]). At the first product, not at load: projections
-/// that are fused at load (q/k/v, gate/up) and embedding tables that never serve as a
-/// head are then never copied.
+/// fused at load (q/k/v, gate/up) are copied once, from their parts into the fused
+/// layout, and embedding tables that never serve as a head are never copied.
 ///
 /// The row layout (R positions as `[R, 1, in]`, the exact verify) must compute each
 /// position exactly as a one-token step would: MLX rounds a matrix-matrix product
@@ -198,18 +198,43 @@ pub fn is_row_layout(x: &Array) -> bool {
 /// instead of a node queued again in every layer of every verify.
 struct DenseProduct {
     weight_t: RefCell<Array>,
-    /// Whether `weight_t` is still the checkpoint's rows and is to be copied.
-    copy_pending: Cell<bool>,
+    /// The checkpoint's `[out, in]` blocks (one, or the parts of a fused layer), while
+    /// they are still to be copied into `[in, out]`; empty once copied or if no copy is
+    /// to be made.
+    to_copy: RefCell<Vec<Array>>,
     row_weights: RefCell<Vec<(i32, Array)>>,
 }
 
 impl DenseProduct {
     fn new(weight: Array) -> Self {
+        let to_copy = match copied_to_inputs_by_outputs(&weight) {
+            true => vec![weight.clone()],
+            false => Vec::new(),
+        };
         Self {
-            copy_pending: Cell::new(copied_to_inputs_by_outputs(&weight)),
             weight_t: RefCell::new(weight.t()),
+            to_copy: RefCell::new(to_copy),
             row_weights: RefCell::new(Vec::new()),
         }
+    }
+
+    /// The `[out, in]` blocks stacked along `out`, as one product. When a copy is to be
+    /// made, it is made from the blocks themselves, so the stacked rows are never built.
+    fn stacked(blocks: Vec<Array>) -> Result<Self> {
+        let weight = concatenate(&blocks, 0)?;
+        let to_copy = match copied_to_inputs_by_outputs(&weight) {
+            true => blocks,
+            false => Vec::new(),
+        };
+        Ok(Self {
+            weight_t: RefCell::new(weight.t()),
+            to_copy: RefCell::new(to_copy),
+            row_weights: RefCell::new(Vec::new()),
+        })
+    }
+
+    fn copy_pending(&self) -> bool {
+        !self.to_copy.borrow().is_empty()
     }
 
     /// The `[out, in]` weight (a view when it is held as an `[in, out]` copy).
@@ -219,10 +244,10 @@ impl DenseProduct {
 
     /// The `[in, out]` operand of products.
     fn weight_t(&self) -> Result<Array> {
-        if self.copy_pending.get() {
-            let copy = transposed_on_host(&self.weight())?;
+        if self.copy_pending() {
+            let copy = stacked_transposed_on_host(&self.to_copy.borrow())?;
             *self.weight_t.borrow_mut() = copy;
-            self.copy_pending.set(false);
+            self.to_copy.borrow_mut().clear();
         }
         Ok(self.weight_t.borrow().clone())
     }
@@ -549,11 +574,17 @@ impl LinearWeight {
             // `[out, in]` blocks stacked, like every dense weight, so products see the
             // same layout (and MLX's CUDA backend the same kernels).
             Some(LinearWeight::Dense(_)) => {
-                let dense = |w: &LinearWeight| match w {
-                    LinearWeight::Dense(d) => Some(d.weight()),
-                    LinearWeight::Quantized(_) => None,
-                };
-                Ok(stack(&dense)?.map(|w| LinearWeight::Dense(DenseProduct::new(w))))
+                let blocks: Option<Vec<Array>> = weights
+                    .iter()
+                    .map(|w| match w {
+                        LinearWeight::Dense(d) => Some(d.weight()),
+                        LinearWeight::Quantized(_) => None,
+                    })
+                    .collect();
+                match blocks {
+                    Some(blocks) => Ok(Some(LinearWeight::Dense(DenseProduct::stacked(blocks)?))),
+                    None => Ok(None),
+                }
             }
             Some(LinearWeight::Quantized(first)) => {
                 let (bits, group_size) = (first.bits, first.group_size);
@@ -1060,15 +1091,12 @@ mod tests {
             let LinearWeight::Dense(d) = part else {
                 unreachable!()
             };
-            assert!(d.copy_pending.get(), "a part is copied only if it is used");
+            assert!(d.copy_pending(), "a part is copied only if it is used");
         }
-        assert!(
-            fused.copy_pending.get(),
-            "nothing is copied before a product"
-        );
+        assert!(fused.copy_pending(), "nothing is copied before a product");
 
         let y = fused.forward(&x).unwrap();
-        assert!(!fused.copy_pending.get());
+        assert!(!fused.copy_pending());
         let copy = fused.weight_t().unwrap();
         assert_eq!(copy.shape(), &[1536, 256]);
         assert!(
@@ -1090,7 +1118,7 @@ mod tests {
         }
 
         let half = DenseProduct::new(w.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap());
-        assert!(!half.copy_pending.get(), "only f32 products go to BLAS");
+        assert!(!half.copy_pending(), "only f32 products go to BLAS");
         half.forward(&x.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap())
             .unwrap();
         let rows = half.weight_t().unwrap();

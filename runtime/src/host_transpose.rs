@@ -21,26 +21,43 @@ const THREADED_FROM: usize = 1 << 20;
 /// `a` (`[rows, cols]`, f32) transposed into a new row-major `[cols, rows]` array. The
 /// source is evaluated; the result is evaluated and is not a node of any graph.
 pub fn transposed_on_host(a: &Array) -> Result<Array, Exception> {
-    let shape = a.shape();
-    if shape.len() != 2 || a.dtype() != Dtype::Float32 {
-        return Err(Exception::custom(format!(
-            "transposed_on_host takes a 2-D f32 array, not {:?} {shape:?}",
-            a.dtype()
-        )));
-    }
-    let (rows, cols) = (shape[0] as usize, shape[1] as usize);
-    let contiguous;
-    let src = match a.try_as_slice::<f32>() {
-        Ok(src) => src,
-        Err(_) => {
-            contiguous = a.contiguous()?;
-            contiguous.try_as_slice::<f32>().map_err(not_readable)?
-        }
+    stacked_transposed_on_host(std::slice::from_ref(a))
+}
+
+/// `blocks` (`[rows_i, cols]` each, f32) stacked along their rows and transposed, into a
+/// new row-major `[cols, Σ rows_i]` array, without making the stacked array first.
+pub fn stacked_transposed_on_host(blocks: &[Array]) -> Result<Array, Exception> {
+    let cols = match blocks.first().map(|b| b.shape()) {
+        Some(&[_, cols]) => cols,
+        _ => return Err(not_a_matrix(blocks)),
     };
-    // The destination is a buffer MLX allocates, so that it comes from MLX's cache of
-    // freed buffers (the weight this copy replaces frees one of the same size) and MLX
-    // owns it like any other. An array from host memory would be copied once more: MLX's
-    // CPU allocator cannot adopt a foreign buffer.
+    if blocks
+        .iter()
+        .any(|b| b.ndim() != 2 || b.shape()[1] != cols || b.dtype() != Dtype::Float32)
+    {
+        return Err(not_a_matrix(blocks));
+    }
+    let contiguous = blocks
+        .iter()
+        .map(|b| match b.try_as_slice::<f32>() {
+            Ok(_) => Ok(b.clone()),
+            Err(_) => b.contiguous(),
+        })
+        .collect::<Result<Vec<Array>, Exception>>()?;
+    let sources = contiguous
+        .iter()
+        .map(|b| {
+            Ok((
+                b.try_as_slice::<f32>().map_err(not_readable)?,
+                b.shape()[0] as usize,
+            ))
+        })
+        .collect::<Result<Vec<(&[f32], usize)>, Exception>>()?;
+    let rows: usize = sources.iter().map(|(_, rows)| rows).sum();
+    let cols = cols as usize;
+    // The destination is a buffer MLX allocates and owns like any other: an array made
+    // from host memory would be copied once more, since MLX's CPU allocator cannot adopt
+    // a foreign buffer.
     let out = Array::zeros::<f32>(&[cols as i32, rows as i32])?;
     out.try_as_slice::<f32>().map_err(not_readable)?;
     // SAFETY: `out` is evaluated, row-contiguous (checked just above) and holds
@@ -50,37 +67,77 @@ pub fn transposed_on_host(a: &Array) -> Result<Array, Exception> {
         let data = mlx_sys::mlx_array_data_float32(out.as_ptr()).cast_mut();
         std::slice::from_raw_parts_mut(data, rows * cols)
     };
-    transpose_into(src, rows, cols, dst);
+    transpose_into(&sources, cols, dst);
     Ok(out)
+}
+
+fn not_a_matrix(blocks: &[Array]) -> Exception {
+    let found: Vec<String> = blocks
+        .iter()
+        .map(|b| format!("{:?} {:?}", b.dtype(), b.shape()))
+        .collect();
+    Exception::custom(format!(
+        "a host transpose takes f32 matrices with the same number of columns, not [{}]",
+        found.join(", ")
+    ))
 }
 
 fn not_readable(e: mlx_rs::error::AsSliceError) -> Exception {
     Exception::custom(format!("reading an array to transpose on the host: {e}"))
 }
 
-/// Writes the transpose of `src` (`[rows, cols]`, row-major) into `dst` (`[cols, rows]`).
-fn transpose_into(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    let threads = match src.len() >= THREADED_FROM {
+/// Writes the transpose of the row-major blocks in `sources` (data, rows; `cols` columns
+/// each), stacked along their rows, into `dst` (`[cols, Σ rows]`).
+fn transpose_into(sources: &[(&[f32], usize)], cols: usize, dst: &mut [f32]) {
+    let rows: usize = sources.iter().map(|(_, rows)| rows).sum();
+    let threads = match dst.len() >= THREADED_FROM {
         true => thread::available_parallelism().map_or(1, |n| n.get()),
         false => 1,
     };
     // Each thread owns a band of destination rows (source columns), whole tiles wide.
     let band = cols.div_ceil(threads).div_ceil(TILE) * TILE;
-    if band == 0 {
+    if band == 0 || rows == 0 {
         return;
     }
     thread::scope(|scope| {
         for (i, out) in dst.chunks_mut(band * rows).enumerate() {
-            scope.spawn(move || transpose_band(src, rows, cols, i * band, out));
+            scope.spawn(move || {
+                let mut offset = 0;
+                for &(src, block_rows) in sources {
+                    let band = Band {
+                        first: i * band,
+                        stride: rows,
+                        offset,
+                    };
+                    transpose_band(src, block_rows, cols, band, out);
+                    offset += block_rows;
+                }
+            });
         }
     });
 }
 
-/// Source columns `first..first + out.len() / rows`, written as rows of `out`: in
-/// blocks of `BLOCK × BLOCK` elements read a row at a time and written a row at a time
-/// through a block on the stack, the blocks walked tile by tile.
-fn transpose_band(src: &[f32], rows: usize, cols: usize, first: usize, out: &mut [f32]) {
-    let width = out.len() / rows;
+/// Where a block's columns land in a thread's share of the destination.
+#[derive(Clone, Copy)]
+struct Band {
+    /// The first source column of the share.
+    first: usize,
+    /// The destination's row length (all blocks' rows).
+    stride: usize,
+    /// The block's first row within a destination row.
+    offset: usize,
+}
+
+/// Source columns `band.first..` of `src` (`[rows, cols]`), written into the rows of
+/// `out` at `band.offset`: in blocks of `BLOCK × BLOCK` elements read a row at a time and
+/// written a row at a time through a block on the stack, the blocks walked tile by tile.
+fn transpose_band(src: &[f32], rows: usize, cols: usize, band: Band, out: &mut [f32]) {
+    let Band {
+        first,
+        stride,
+        offset,
+    } = band;
+    let width = out.len() / stride;
     let (whole_rows, whole_cols) = (rows / BLOCK * BLOCK, width / BLOCK * BLOCK);
     for r_tile in (0..whole_rows).step_by(TILE) {
         for c_tile in (0..whole_cols).step_by(TILE) {
@@ -97,7 +154,7 @@ fn transpose_band(src: &[f32], rows: usize, cols: usize, first: usize, out: &mut
                         }
                     }
                     for (j, line) in block.iter().enumerate() {
-                        let at = (c0 + j) * rows + r0;
+                        let at = (c0 + j) * stride + offset + r0;
                         out[at..at + BLOCK].copy_from_slice(line);
                     }
                 }
@@ -108,7 +165,7 @@ fn transpose_band(src: &[f32], rows: usize, cols: usize, first: usize, out: &mut
     for c in 0..width {
         let start = if c < whole_cols { whole_rows } else { 0 };
         for r in start..rows {
-            out[c * rows + r] = src[r * cols + first + c];
+            out[c * stride + offset + r] = src[r * cols + first + c];
         }
     }
 }
@@ -139,11 +196,38 @@ mod tests {
         }
     }
 
+    /// Blocks stacked and transposed in one copy equal MLX's concatenation transposed,
+    /// threaded or not, with blocks that are and are not whole tiles.
+    #[test]
+    fn stacked_blocks_equal_their_concatenation_transposed() {
+        for (cols, heights) in [(5, vec![1, 3]), (1100, vec![700, 64, 300]), (64, vec![33])] {
+            let blocks: Vec<Array> = heights
+                .iter()
+                .map(|&h| random::normal::<f32>(&[h, cols], None, None, None).unwrap())
+                .collect();
+            let t = stacked_transposed_on_host(&blocks).unwrap();
+            let want = mlx_rs::ops::concatenate(&blocks, 0).unwrap().t();
+            assert!(
+                t.eq_values(&want).unwrap(),
+                "{cols} columns, rows {heights:?}"
+            );
+        }
+    }
+
     #[test]
     fn other_shapes_and_dtypes_are_refused() {
         let three = Array::zeros::<f32>(&[2, 2, 2]).unwrap();
         assert!(transposed_on_host(&three).is_err());
         let ints = Array::zeros::<i32>(&[2, 2]).unwrap();
         assert!(transposed_on_host(&ints).is_err());
+        let (two, three) = (
+            Array::zeros::<f32>(&[2, 2]).unwrap(),
+            Array::zeros::<f32>(&[2, 3]).unwrap(),
+        );
+        assert!(
+            stacked_transposed_on_host(&[two, three]).is_err(),
+            "unequal columns"
+        );
+        assert!(stacked_transposed_on_host(&[]).is_err());
     }
 }
