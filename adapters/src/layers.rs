@@ -3,7 +3,7 @@
 
 mod lora_delta;
 
-use std::cell::RefCell;
+use std::cell::{Ref, RefCell};
 
 use mlx_rs::error::Exception;
 use mlx_rs::ops::{broadcast_to, concatenate, dequantize, matmul, quantize, quantized_matmul};
@@ -207,8 +207,19 @@ struct DenseProduct {
 
 impl DenseProduct {
     fn new(weight: Array) -> Self {
+        Self::from_blocks(weight.clone(), vec![weight])
+    }
+
+    /// The `[out, in]` blocks stacked along `out`, as one product. When a copy is to be
+    /// made, it is made from the blocks themselves, so the stacked rows are never built.
+    fn stacked(blocks: Vec<Array>) -> Result<Self> {
+        Ok(Self::from_blocks(concatenate(&blocks, 0)?, blocks))
+    }
+
+    /// `weight` (`[out, in]`), made of `blocks` stacked along `out`.
+    fn from_blocks(weight: Array, blocks: Vec<Array>) -> Self {
         let to_copy = match copied_to_inputs_by_outputs(&weight) {
-            true => vec![weight.clone()],
+            true => blocks,
             false => Vec::new(),
         };
         Self {
@@ -216,21 +227,6 @@ impl DenseProduct {
             to_copy: RefCell::new(to_copy),
             row_weights: RefCell::new(Vec::new()),
         }
-    }
-
-    /// The `[out, in]` blocks stacked along `out`, as one product. When a copy is to be
-    /// made, it is made from the blocks themselves, so the stacked rows are never built.
-    fn stacked(blocks: Vec<Array>) -> Result<Self> {
-        let weight = concatenate(&blocks, 0)?;
-        let to_copy = match copied_to_inputs_by_outputs(&weight) {
-            true => blocks,
-            false => Vec::new(),
-        };
-        Ok(Self {
-            weight_t: RefCell::new(weight.t()),
-            to_copy: RefCell::new(to_copy),
-            row_weights: RefCell::new(Vec::new()),
-        })
     }
 
     fn copy_pending(&self) -> bool {
@@ -242,19 +238,20 @@ impl DenseProduct {
         self.weight_t.borrow().t()
     }
 
-    /// The `[in, out]` operand of products.
-    fn weight_t(&self) -> Result<Array> {
+    /// The `[in, out]` operand of products, borrowed rather than cloned: products run
+    /// per layer per token.
+    fn weight_t(&self) -> Result<Ref<'_, Array>> {
         if self.copy_pending() {
             let copy = stacked_transposed_on_host(&self.to_copy.borrow())?;
             *self.weight_t.borrow_mut() = copy;
             self.to_copy.borrow_mut().clear();
         }
-        Ok(self.weight_t.borrow().clone())
+        Ok(self.weight_t.borrow())
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
         if !is_row_layout(x) {
-            return Ok(matmul(x, &self.weight_t()?)?);
+            return Ok(matmul(x, &*self.weight_t()?)?);
         }
         let apart = rows_apart(x, Backend::current())?;
         Ok(matmul(&apart, &self.broadcast(x.shape()[0])?)?)
@@ -268,7 +265,7 @@ impl DenseProduct {
             return Ok(w.clone());
         }
         let shape = weight_t.shape();
-        let w = broadcast_to(&weight_t, &[rows, shape[0], shape[1]])?;
+        let w = broadcast_to(&*weight_t, &[rows, shape[0], shape[1]])?;
         made.push((rows, w.clone()));
         Ok(w)
     }
@@ -1152,8 +1149,11 @@ mod tests {
             let apart = rows_apart(&x, backend).unwrap();
             let rows = matmul(&apart, product.broadcast(4).unwrap()).unwrap();
             for r in 0..4 {
-                let one =
-                    matmul(x.try_index(r..r + 1).unwrap(), product.weight_t().unwrap()).unwrap();
+                let one = matmul(
+                    x.try_index(r..r + 1).unwrap(),
+                    &*product.weight_t().unwrap(),
+                )
+                .unwrap();
                 let row = rows.try_index(r..r + 1).unwrap();
                 assert!(
                     row.all_close(&one, 1e-5, 1e-5, None).unwrap(),

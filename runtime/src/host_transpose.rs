@@ -18,14 +18,9 @@ const TILE: usize = 64;
 /// Below this many elements the copy runs on the calling thread.
 const THREADED_FROM: usize = 1 << 20;
 
-/// `a` (`[rows, cols]`, f32) transposed into a new row-major `[cols, rows]` array. The
-/// source is evaluated; the result is evaluated and is not a node of any graph.
-pub fn transposed_on_host(a: &Array) -> Result<Array, Exception> {
-    stacked_transposed_on_host(std::slice::from_ref(a))
-}
-
 /// `blocks` (`[rows_i, cols]` each, f32) stacked along their rows and transposed, into a
-/// new row-major `[cols, Σ rows_i]` array, without making the stacked array first.
+/// new row-major `[cols, Σ rows_i]` array, without making the stacked array first. The
+/// blocks are evaluated; the result is evaluated and is not a node of any graph.
 pub fn stacked_transposed_on_host(blocks: &[Array]) -> Result<Array, Exception> {
     let cols = match blocks.first().map(|b| b.shape()) {
         Some(&[_, cols]) => cols,
@@ -175,6 +170,10 @@ mod tests {
     use super::*;
     use mlx_rs::random;
 
+    fn transposed(a: &Array) -> Result<Array, Exception> {
+        stacked_transposed_on_host(std::slice::from_ref(a))
+    }
+
     /// Against MLX's own transpose, for shapes that are and are not whole tiles, small
     /// (one thread) and large (threaded, with a band that is not a whole tile multiple
     /// of the columns), and from a source that is itself a transposed view.
@@ -182,12 +181,12 @@ mod tests {
     fn equals_mlx_transpose() {
         for (rows, cols) in [(1, 1), (3, 5), (32, 64), (33, 65), (1000, 1100), (7, 2048)] {
             let a = random::normal::<f32>(&[rows, cols], None, None, None).unwrap();
-            let t = transposed_on_host(&a).unwrap();
+            let t = transposed(&a).unwrap();
             assert_eq!(t.shape(), &[cols, rows]);
             let want = a.t().contiguous().unwrap();
             assert!(t.eq_values(&want).unwrap(), "{rows}x{cols}");
             // Used as an operand like any array, and transposed back.
-            let back = transposed_on_host(&a.t()).unwrap();
+            let back = transposed(&a.t()).unwrap();
             assert!(back.eq_values(&a).unwrap(), "{rows}x{cols} from a view");
             let doubled = t.add(&want).unwrap();
             assert!(doubled
@@ -217,9 +216,9 @@ mod tests {
     #[test]
     fn other_shapes_and_dtypes_are_refused() {
         let three = Array::zeros::<f32>(&[2, 2, 2]).unwrap();
-        assert!(transposed_on_host(&three).is_err());
+        assert!(transposed(&three).is_err());
         let ints = Array::zeros::<i32>(&[2, 2]).unwrap();
-        assert!(transposed_on_host(&ints).is_err());
+        assert!(transposed(&ints).is_err());
         let (two, three) = (
             Array::zeros::<f32>(&[2, 2]).unwrap(),
             Array::zeros::<f32>(&[2, 3]).unwrap(),
