@@ -77,9 +77,12 @@ def main():
             # Also reported: the host's time building and queueing those rounds.
             hosts = [r["host_ms"] for r in full if r.get("host_ms") is not None
                      and (ahead == "off" or r["queued_ahead"])]
+            builds = [r["build_ms"] for r in full if r.get("build_ms") is not None
+                      and (ahead == "off" or r["queued_ahead"])]
             row[ahead] = {
                 "round_ms": statistics.median(timed) if timed else None,
                 "host_ms": statistics.median(hosts) if hosts else None,
+                "build_ms": statistics.median(builds) if builds else None,
                 "rounds_timed": len(timed),
                 "rounds": len(rounds),
                 "rounds_queued_ahead": sum(r["queued_ahead"] for r in rounds),
@@ -102,6 +105,8 @@ def main():
                 continue
             r["steps"] = r["round_ms"] / step
             host = f"{r['host_ms']:.2f}" if r["host_ms"] is not None else "-"
+            if r.get("build_ms") is not None:
+                host += f" (build {r['build_ms']:.2f})"
             cells.append(f"{r['round_ms']:.2f} {r['steps']:.2f} host {host} "
                          f"{r['decode_tokens_per_second']:.1f} {r['tau']:.2f} ({r['rounds_timed']})")
         print(f"{row['width']:<3} | " + " | ".join(cells))

@@ -169,6 +169,17 @@ fn rounds_queued_ahead_give_plain_greedy_output_whatever_becomes_of_the_guess() 
             let fresh = rounds.iter().skip(1).filter(|r| !queued_ahead(r)).count();
             assert!(ahead_with_drafts > 0, "{what}: {ahead} queued ahead");
             assert!(fresh > 0, "{what}: no guess failed");
+            // Lookup rounds tell the host's time apart, its graph building a part of it.
+            for r in &rounds {
+                let (host, build) = (r["host_ms"].as_f64(), r["build_ms"].as_f64());
+                let (Some(host), Some(build)) = (host, build) else {
+                    panic!("{what}: a lookup round without its host times: {r}");
+                };
+                assert!(
+                    build > 0.0 && build <= host,
+                    "{what}: build {build} of host {host}"
+                );
+            }
         }
     }
 }

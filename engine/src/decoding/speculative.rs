@@ -130,6 +130,9 @@ pub struct RoundTrace {
     /// device, where that is apart from waiting for it (not in rounds whose drafts come
     /// with probabilities or from a model).
     pub host_ms: Option<f64>,
+    /// Of `host_ms`, the part spent building the graph; the rest is MLX queueing it,
+    /// which blocks while the device is too far behind.
+    pub build_ms: Option<f64>,
 }
 
 /// What drives a speculative generation besides the target.
@@ -277,8 +280,8 @@ struct PlainStep {
     hidden: Option<Array>,
     /// The step's logits (`[1, vocab]`), kept when log-probabilities are reported.
     logits: Option<Array>,
-    /// Seconds the host spent building and queueing it.
-    host_seconds: f64,
+    /// Where the host's time went building and queueing it.
+    host: HostTime,
     /// Whether the step before it was still in flight when it was queued.
     queued_ahead: bool,
 }
@@ -319,7 +322,33 @@ struct ReadRound<'r> {
     draft_ms: f64,
     verify_ms: f64,
     queued_ahead: bool,
-    host_ms: Option<f64>,
+    host: Option<HostTime>,
+}
+
+/// Seconds the host spent on a forward it queued: building its graph, then handing it
+/// to MLX (`async_eval`).
+#[derive(Clone, Copy)]
+struct HostTime {
+    build: f64,
+    queue: f64,
+}
+
+impl HostTime {
+    /// Times `build` (returning what to queue), then `queue` on its result.
+    fn measure<T, E>(
+        build: impl FnOnce() -> Result<T, E>,
+        queue: impl FnOnce(&T) -> Result<(), E>,
+    ) -> Result<(T, HostTime), E> {
+        let t = Instant::now();
+        let built = build()?;
+        let b = t.elapsed().as_secs_f64();
+        queue(&built)?;
+        let time = HostTime {
+            build: b,
+            queue: t.elapsed().as_secs_f64() - b,
+        };
+        Ok((built, time))
+    }
 }
 
 /// A greedy verify queued and not read yet (rounds of a lookup drafter).
@@ -337,8 +366,7 @@ struct QueuedVerify {
     draft_seconds: f64,
     /// Whether it was queued before the round before it was read.
     queued_ahead: bool,
-    /// Seconds the host spent building and queueing it.
-    host_seconds: f64,
+    host: HostTime,
 }
 
 impl QueuedVerify {
@@ -423,7 +451,7 @@ impl Rounds<'_, '_, '_> {
             draft_ms: draft_elapsed.as_secs_f64() * 1e3,
             verify_ms: verify_elapsed.as_secs_f64() * 1e3,
             queued_ahead: false,
-            host_ms: None,
+            host: None,
         })?;
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
@@ -455,7 +483,7 @@ impl Rounds<'_, '_, '_> {
             draft_ms,
             verify_ms,
             queued_ahead,
-            host_ms,
+            host,
         } = round;
         let hidden = match hidden {
             Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
@@ -475,7 +503,8 @@ impl Rounds<'_, '_, '_> {
             draft_ms,
             verify_ms,
             queued_ahead,
-            host_ms,
+            host_ms: host.map(|h| (h.build + h.queue) * 1e3),
+            build_ms: host.map(|h| h.build * 1e3),
         })?;
         self.tally.round(drafts.len(), accepted);
 
@@ -525,16 +554,23 @@ impl Rounds<'_, '_, '_> {
         draft_seconds: f64,
         queued_ahead: bool,
     ) -> Result<QueuedVerify, EngineError> {
-        let t = Instant::now();
-        let input = match drafts.len() {
-            0 => first.0.clone(),
-            n => concatenate(&[first.0, &Array::from_slice(drafts, &[1, n as i32])], 1)?,
-        };
-        let out = self.model.forward(&input, &mut self.cache, &self.taps)?;
-        let logits = out.logits.try_index(0)?;
-        let argmax = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
-        async_eval(std::iter::once(&argmax).chain(out.hidden.iter()))?;
-        let host_seconds = t.elapsed().as_secs_f64();
+        let ((out, logits, argmax), host) = HostTime::measure(
+            || -> Result<_, EngineError> {
+                let input = match drafts.len() {
+                    0 => first.0.clone(),
+                    n => concatenate(&[first.0, &Array::from_slice(drafts, &[1, n as i32])], 1)?,
+                };
+                let out = self.model.forward(&input, &mut self.cache, &self.taps)?;
+                let logits = out.logits.try_index(0)?;
+                let argmax = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
+                Ok((out, logits, argmax))
+            },
+            |(out, _, argmax)| {
+                Ok(async_eval(
+                    std::iter::once(argmax).chain(out.hidden.iter()),
+                )?)
+            },
+        )?;
         Ok(QueuedVerify {
             first: first.1,
             drafts: drafts.to_vec(),
@@ -543,7 +579,7 @@ impl Rounds<'_, '_, '_> {
             hidden: out.hidden,
             draft_seconds,
             queued_ahead,
-            host_seconds,
+            host,
         })
     }
 
@@ -632,7 +668,7 @@ impl Rounds<'_, '_, '_> {
                 draft_ms: current.draft_seconds * 1e3,
                 verify_ms: round_seconds * 1e3,
                 queued_ahead: current.queued_ahead,
-                host_ms: Some(current.host_seconds * 1e3),
+                host: Some(current.host),
             })?;
             if let Some(stop) = stop {
                 if let Some(queued) = ahead {
@@ -667,13 +703,17 @@ impl Rounds<'_, '_, '_> {
     /// Builds and queues the plain step that feeds `token` (possibly still lazy).
     /// `queued_ahead`: the step before it is still in flight.
     fn queue_plain(&mut self, token: &Array, queued_ahead: bool) -> Result<PlainStep, EngineError> {
-        let t = Instant::now();
-        let out = self.model.forward(token, &mut self.cache, &self.taps)?;
-        let logits = out.logits.try_index((.., -1, ..))?;
-        let token = pick_next(self.sampler.as_mut(), &logits)?;
-        async_eval(std::iter::once(&token).chain(out.hidden.iter()))?;
+        let ((out, logits, token), host) = HostTime::measure(
+            || -> Result<_, EngineError> {
+                let out = self.model.forward(token, &mut self.cache, &self.taps)?;
+                let logits = out.logits.try_index((.., -1, ..))?;
+                let token = pick_next(self.sampler.as_mut(), &logits)?;
+                Ok((out, logits, token))
+            },
+            |(out, _, token)| Ok(async_eval(std::iter::once(token).chain(out.hidden.iter()))?),
+        )?;
         Ok(PlainStep {
-            host_seconds: t.elapsed().as_secs_f64(),
+            host,
             queued_ahead,
             token,
             hidden: out.hidden,
@@ -732,7 +772,8 @@ impl Rounds<'_, '_, '_> {
                 draft_ms: 0.0,
                 verify_ms: seconds * 1e3,
                 queued_ahead: current.queued_ahead,
-                host_ms: Some(current.host_seconds * 1e3),
+                host_ms: Some((current.host.build + current.host.queue) * 1e3),
+                build_ms: Some(current.host.build * 1e3),
             })?;
             self.tally.round(0, 0);
             hidden.extend(current.hidden.take());
