@@ -203,6 +203,9 @@ struct DenseProduct {
     /// to be made.
     to_copy: RefCell<Vec<Array>>,
     row_weights: RefCell<Vec<(i32, Array)>>,
+    /// Fewest rows each product is computed with, where fewer would go through another
+    /// BLAS kernel than a verify's rows do (see [`rows_for_one_kernel`]).
+    min_rows: Option<i32>,
 }
 
 impl DenseProduct {
@@ -218,14 +221,18 @@ impl DenseProduct {
 
     /// `weight` (`[out, in]`), made of `blocks` stacked along `out`.
     fn from_blocks(weight: Array, blocks: Vec<Array>) -> Self {
-        let to_copy = match copied_to_inputs_by_outputs(&weight) {
-            true => blocks,
-            false => Vec::new(),
+        let (to_copy, min_rows) = match copied_to_inputs_by_outputs(&weight) {
+            true => {
+                let s = weight.shape();
+                (blocks, rows_for_one_kernel(s[0] as i64, s[1] as i64))
+            }
+            false => (Vec::new(), None),
         };
         Self {
             weight_t: RefCell::new(weight.t()),
             to_copy: RefCell::new(to_copy),
             row_weights: RefCell::new(Vec::new()),
+            min_rows,
         }
     }
 
@@ -251,10 +258,23 @@ impl DenseProduct {
 
     fn forward(&self, x: &Array) -> Result<Array> {
         if !is_row_layout(x) {
-            return Ok(matmul(x, &*self.weight_t()?)?);
+            let weight_t = self.weight_t()?;
+            let inputs = weight_t.shape()[0];
+            let rows = (x.size() as i32) / inputs;
+            return match self.min_rows {
+                Some(min) if rows < min => padded_product(x, &weight_t, rows, min),
+                _ => Ok(matmul(x, &*weight_t)?),
+            };
+        }
+        let rows = x.shape()[0];
+        if let Some(min) = self.min_rows {
+            // Each row padded as a one-row product is, so that it meets the same kernel.
+            let pad = Array::zeros::<f32>(&[rows, min - 1, x.shape()[2]])?;
+            let y = matmul(&concatenate(&[x.clone(), pad], 1)?, &self.broadcast(rows)?)?;
+            return Ok(slice_axis(&y, 1, 0, 1)?);
         }
         let apart = rows_apart(x, Backend::current())?;
-        Ok(matmul(&apart, &self.broadcast(x.shape()[0])?)?)
+        Ok(matmul(&apart, &self.broadcast(rows)?)?)
     }
 
     /// The weight broadcast to `[rows, in, out]`.
@@ -279,6 +299,42 @@ impl DenseProduct {
 /// `[out, in]`: their matrix-vector kernels (and mlx-lm's) are built for it.
 fn copied_to_inputs_by_outputs(weight: &Array) -> bool {
     Backend::current() == Backend::Cpu && weight.dtype() == mlx_rs::Dtype::Float32
+}
+
+/// OpenBLAS runs an f32 product of at most this many multiply-adds through a small-matrix
+/// kernel on its SkylakeX-class cores (Intel Xeon Scalable, and AVX-512 AMD EPYC, which
+/// it can run as Cooperlake), and that kernel rounds differently from its general one (OpenBLAS
+/// 0.3.21, `kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`).
+const BLAS_SMALL_PRODUCT: i64 = 1_000_000;
+
+/// Products of one weight with up to this many rows all go through one BLAS kernel
+/// ([`rows_for_one_kernel`]): a decode step and a verify of up to this many positions.
+const ALIKE_ROWS: i64 = 64;
+
+/// The fewest rows a CPU f32 product with an `[out, in]` weight is computed with (zero
+/// rows added and their outputs dropped), where one row would fall under
+/// [`BLAS_SMALL_PRODUCT`] and [`ALIKE_ROWS`] rows would not: otherwise a one-row decode
+/// step and a verify's rows would meet different kernels and could round differently,
+/// and speculative greedy decoding would no longer be plain greedy decoding token for
+/// token. `None` when one kernel serves every row count up to [`ALIKE_ROWS`] already
+/// (weights of real models are mostly past the limit in one row; toy ones stay under it).
+fn rows_for_one_kernel(outputs: i64, inputs: i64) -> Option<i32> {
+    let min = BLAS_SMALL_PRODUCT / (outputs * inputs).max(1) + 1;
+    (min > 1 && min <= ALIKE_ROWS).then_some(min as i32)
+}
+
+/// `x` (`[.., in]`, `rows` rows in all) times `weight_t` (`[in, out]`), computed with
+/// `min` rows, the first `rows` of them `x`'s.
+fn padded_product(x: &Array, weight_t: &Array, rows: i32, min: i32) -> Result<Array> {
+    let (inputs, outputs) = (weight_t.shape()[0], weight_t.shape()[1]);
+    let flat = x.reshape(&[rows, inputs])?;
+    let pad = Array::zeros::<f32>(&[min - rows, inputs])?;
+    let y = matmul(&concatenate(&[flat, pad], 0)?, weight_t)?;
+    let mut shape = x.shape().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = outputs;
+    }
+    Ok(slice_axis(&y, 0, 0, rows)?.reshape(&shape)?)
 }
 
 /// The rows of `x` (`[R, 1, in]`) laid out so that MLX multiplies each by itself with
@@ -1064,9 +1120,9 @@ mod tests {
     /// On the CPU an f32 weight is copied to `[in, out]` at its first product, not
     /// before (a fused layer's parts are never copied), and the copy computes the same
     /// products; other dtypes keep the checkpoint's rows. One-row and many-row products
-    /// of the copy agree bitwise at a model's sizes, as they do for the checkpoint's rows
-    /// (OpenBLAS's small-matrix kernels round tiny products differently either way):
-    /// exact speculative decoding relies on it.
+    /// of the copy agree bitwise (exact speculative decoding relies on it): at this size
+    /// one row falls under OpenBLAS's small-matrix kernel where the CPU has one, and is
+    /// padded past it.
     #[test]
     fn f32_weights_on_the_cpu_are_read_from_an_inputs_by_outputs_copy() {
         assert_eq!(Backend::current(), Backend::Cpu, "the tests run on the CPU");
@@ -1121,6 +1177,69 @@ mod tests {
         let rows = half.weight_t().unwrap();
         rows.eval().unwrap();
         assert_eq!(rows.strides(), &[1, 1536], "a view of the rows");
+    }
+
+    /// Weights whose one-row products OpenBLAS would run through its small-matrix kernel
+    /// and a verify's rows through its general one (on SkylakeX-class cores): products
+    /// of every row count up to a verify's, in the sequence and the row layouts, equal
+    /// the one-row products bitwise. Shapes of SmolLM2-135M's layers (fused q/k/v,
+    /// output, down); a toy weight and a real model's need no padding.
+    #[test]
+    fn f32_products_meet_one_blas_kernel_at_every_row_count() {
+        assert_eq!(rows_for_one_kernel(960, 576), Some(2));
+        assert_eq!(rows_for_one_kernel(576, 576), Some(4));
+        assert_eq!(rows_for_one_kernel(1536, 1536), None);
+        assert_eq!(rows_for_one_kernel(64, 32), None);
+        for (seed, (outputs, inputs)) in [(960, 576), (576, 576), (576, 1536)]
+            .into_iter()
+            .enumerate()
+        {
+            let key = |k: u64| Some(random::key(10 * seed as u64 + k).unwrap());
+            let w = random::normal::<f32>(&[outputs, inputs], None, None, key(1).as_ref()).unwrap();
+            let product = DenseProduct::new(w);
+            assert!(product.min_rows.is_some(), "{outputs}x{inputs} is padded");
+            let x = random::normal::<f32>(&[1, 33, inputs], None, None, key(2).as_ref()).unwrap();
+            let one: Vec<Array> = (0..33)
+                .map(|r| {
+                    product
+                        .forward(&x.try_index((.., r..r + 1)).unwrap())
+                        .unwrap()
+                })
+                .collect();
+            for rows in [2, 3, 4, 5, 8, 17, 33] {
+                let many = product
+                    .forward(&x.try_index((.., ..rows)).unwrap())
+                    .unwrap();
+                assert_eq!(many.shape(), &[1, rows, outputs]);
+                let as_rows = x
+                    .try_index((0, ..rows))
+                    .unwrap()
+                    .reshape(&[rows, 1, inputs])
+                    .unwrap();
+                let row_layout = product.forward(&as_rows).unwrap();
+                assert_eq!(row_layout.shape(), &[rows, 1, outputs]);
+                for (r, one) in one.iter().enumerate().take(rows as usize) {
+                    let r = r as i32;
+                    assert!(
+                        many.try_index((.., r..r + 1))
+                            .unwrap()
+                            .eq_values(one)
+                            .unwrap(),
+                        "{outputs}x{inputs}: row {r} of {rows} differs from one row"
+                    );
+                    assert!(
+                        row_layout
+                            .try_index(r..r + 1)
+                            .unwrap()
+                            .reshape(&[1, 1, outputs])
+                            .unwrap()
+                            .eq_values(one)
+                            .unwrap(),
+                        "{outputs}x{inputs}: row layout, row {r} of {rows}"
+                    );
+                }
+            }
+        }
     }
 
     /// The row layout's products equal one-row products, bitwise, on whichever backend
