@@ -302,9 +302,9 @@ fn copied_to_inputs_by_outputs(weight: &Array) -> bool {
 }
 
 /// OpenBLAS runs an f32 product of at most this many multiply-adds through a small-matrix
-/// kernel on its SkylakeX-class cores (Intel Xeon Scalable, and AVX-512 AMD EPYC, which
-/// it can run as Cooperlake), and that kernel rounds differently from its general one (OpenBLAS
-/// 0.3.21, `kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`).
+/// kernel on its SkylakeX-class cores (Intel Xeon Scalable, and AVX-512 AMD EPYC, which it
+/// can run as Cooperlake), and that kernel rounds differently from its general one
+/// (OpenBLAS 0.3.21, `kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`).
 const BLAS_SMALL_PRODUCT: i64 = 1_000_000;
 
 /// Products of one weight with up to this many rows all go through one BLAS kernel
