@@ -11,15 +11,16 @@ is read, not written) runs for each width w and product layout:
             weight is read once per row unless the cache holds it);
   - gather: one product of w rows through MLX's gather_mm with a single weight (on CUDA
             a JIT-compiled CUTLASS kernel, not cuBLASLt);
-  - chunks: the same as rows, the weight cut into chunks of about `--chunk-mb` MB with the w rows
-            of one chunk next to each other in the batch, so that each chunk is read
-            from memory once and from the cache for the other rows.
+  - chunks: as rows, the weight cut into chunks of about `--chunk-mb` MB with the w
+            rows of one chunk next to each other in the batch, so that each chunk is
+            read from memory once and from the cache for the other rows.
 Each is timed twice: waited (build, evaluate, wait; a verify whose result decides the
 next round) and queued (20 forwards in a chain, each queued before the one before it is
 read, as plain decoding keeps steps in flight); "host" is the time spent building and
 queueing per forward in the queued runs. Medians of `--runs` runs.
 
 Usage: python3 scripts/gpu_product_layouts.py [--shape 1.5b|7b] [--widths 1,2,4,8,16,32]
+           [--layouts gemm,rows,chunks,gather]
 """
 
 import argparse
