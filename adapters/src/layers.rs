@@ -240,6 +240,10 @@ impl DenseProduct {
         !self.to_copy.borrow().is_empty()
     }
 
+    fn dtype(&self) -> mlx_rs::Dtype {
+        self.weight_t.borrow().dtype()
+    }
+
     /// The `[out, in]` weight (a view when it is held as an `[in, out]` copy).
     fn weight(&self) -> Array {
         self.weight_t.borrow().t()
@@ -269,8 +273,8 @@ impl DenseProduct {
         let rows = x.shape()[0];
         if let Some(min) = self.min_rows {
             // Each row padded as a one-row product is, so that it meets the same kernel.
-            let pad = Array::zeros::<f32>(&[rows, min - 1, x.shape()[2]])?;
-            let y = matmul(&concatenate(&[x.clone(), pad], 1)?, &self.broadcast(rows)?)?;
+            let padded = concatenate(&vec![x.clone(); min as usize], 1)?;
+            let y = matmul(&padded, &self.broadcast(rows)?)?;
             return Ok(slice_axis(&y, 1, 0, 1)?);
         }
         let apart = rows_apart(x, Backend::current())?;
@@ -323,13 +327,14 @@ fn rows_for_one_kernel(outputs: i64, inputs: i64) -> Option<i32> {
     (min > 1 && min <= ALIKE_ROWS).then_some(min as i32)
 }
 
-/// `x` (`[.., in]`, `rows` rows in all) times `weight_t` (`[in, out]`), computed with
-/// `min` rows, the first `rows` of them `x`'s.
+/// `x` (`[.., in]`, `rows` rows in all) times `weight_t` (`[in, out]`), computed with at
+/// least `min` rows: `x`'s, then repeats of them whose outputs are dropped (each output
+/// row depends on its own input row only).
 fn padded_product(x: &Array, weight_t: &Array, rows: i32, min: i32) -> Result<Array> {
     let (inputs, outputs) = (weight_t.shape()[0], weight_t.shape()[1]);
     let flat = x.reshape(&[rows, inputs])?;
-    let pad = Array::zeros::<f32>(&[min - rows, inputs])?;
-    let y = matmul(&concatenate(&[flat, pad], 0)?, weight_t)?;
+    let copies = (min + rows - 1) / rows;
+    let y = matmul(&concatenate(&vec![flat; copies as usize], 0)?, weight_t)?;
     let mut shape = x.shape().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = outputs;
@@ -358,7 +363,7 @@ impl LinearWeight {
     /// The dtype activations meet this weight in.
     fn dtype(&self) -> mlx_rs::Dtype {
         match self {
-            LinearWeight::Dense(d) => d.weight().dtype(),
+            LinearWeight::Dense(d) => d.dtype(),
             LinearWeight::Quantized(q) => q.scales.dtype(),
         }
     }
@@ -616,28 +621,25 @@ impl LinearWeight {
         weights: impl Iterator<Item = &'a LinearWeight>,
     ) -> Result<Option<LinearWeight>> {
         let weights: Vec<&LinearWeight> = weights.collect();
+        // One array of each weight, or `None` where one has none.
+        let parts = |pick: &dyn Fn(&LinearWeight) -> Option<Array>| -> Option<Vec<Array>> {
+            weights.iter().map(|w| pick(w)).collect()
+        };
         let stack = |pick: &dyn Fn(&LinearWeight) -> Option<Array>| -> Result<Option<Array>> {
-            let arrays: Option<Vec<Array>> = weights.iter().map(|w| pick(w)).collect();
-            match arrays {
-                Some(arrays) => Ok(Some(concatenate(&arrays, 0)?)),
-                None => Ok(None),
-            }
+            Ok(parts(pick).map(|p| concatenate(&p, 0)).transpose()?)
         };
         match weights.first() {
             // `[out, in]` blocks stacked, like every dense weight, so products see the
             // same layout (and MLX's CUDA backend the same kernels).
             Some(LinearWeight::Dense(_)) => {
-                let blocks: Option<Vec<Array>> = weights
-                    .iter()
-                    .map(|w| match w {
-                        LinearWeight::Dense(d) => Some(d.weight()),
-                        LinearWeight::Quantized(_) => None,
-                    })
-                    .collect();
-                match blocks {
-                    Some(blocks) => Ok(Some(LinearWeight::Dense(DenseProduct::stacked(blocks)?))),
-                    None => Ok(None),
-                }
+                let blocks = parts(&|w| match w {
+                    LinearWeight::Dense(d) => Some(d.weight()),
+                    LinearWeight::Quantized(_) => None,
+                });
+                Ok(blocks
+                    .map(DenseProduct::stacked)
+                    .transpose()?
+                    .map(LinearWeight::Dense))
             }
             Some(LinearWeight::Quantized(first)) => {
                 let (bits, group_size) = (first.bits, first.group_size);
@@ -732,7 +734,7 @@ impl Embedding {
 
     pub fn dtype(&self) -> mlx_rs::Dtype {
         match &self.table {
-            Table::Dense(d) => d.weight().dtype(),
+            Table::Dense(d) => d.dtype(),
             Table::Quantized(q) => q.scales.dtype(),
         }
     }

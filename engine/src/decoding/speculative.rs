@@ -334,6 +334,14 @@ struct HostTime {
 }
 
 impl HostTime {
+    /// `(host_ms, build_ms)` as a trace reports them.
+    fn trace_ms(host: Option<HostTime>) -> (Option<f64>, Option<f64>) {
+        (
+            host.map(|h| (h.build + h.queue) * 1e3),
+            host.map(|h| h.build * 1e3),
+        )
+    }
+
     /// Times `build` (returning what to queue), then `queue` on its result.
     fn measure<T, E>(
         build: impl FnOnce() -> Result<T, E>,
@@ -485,6 +493,7 @@ impl Rounds<'_, '_, '_> {
             queued_ahead,
             host,
         } = round;
+        let (host_ms, build_ms) = HostTime::trace_ms(host);
         let hidden = match hidden {
             Some(h) => Some(h.try_index((.., ..(1 + accepted) as i32, ..))?),
             None => None,
@@ -503,8 +512,8 @@ impl Rounds<'_, '_, '_> {
             draft_ms,
             verify_ms,
             queued_ahead,
-            host_ms: host.map(|h| (h.build + h.queue) * 1e3),
-            build_ms: host.map(|h| h.build * 1e3),
+            host_ms,
+            build_ms,
         })?;
         self.tally.round(drafts.len(), accepted);
 
@@ -763,6 +772,7 @@ impl Rounds<'_, '_, '_> {
             let seconds = since.elapsed().as_secs_f64();
             since = Instant::now();
             self.length.observe(0, 0, 0.0, seconds);
+            let (host_ms, build_ms) = HostTime::trace_ms(Some(current.host));
             self.write_trace(RoundTrace {
                 round: self.tally.forwards,
                 position: self.committer.tokens.len(),
@@ -772,8 +782,8 @@ impl Rounds<'_, '_, '_> {
                 draft_ms: 0.0,
                 verify_ms: seconds * 1e3,
                 queued_ahead: current.queued_ahead,
-                host_ms: Some((current.host.build + current.host.queue) * 1e3),
-                build_ms: Some(current.host.build * 1e3),
+                host_ms,
+                build_ms,
             })?;
             self.tally.round(0, 0);
             hidden.extend(current.hidden.take());
