@@ -70,6 +70,9 @@ pub struct Attention {
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// Short causal forwards go through dspec's CUDA kernel ([`crate::cuda`]): off until
+    /// the model turns it on where the kernels pay.
+    short_kernels: bool,
 }
 
 /// Which keys each query of a forward may see.
@@ -108,6 +111,15 @@ impl WholeBufferBias {
         made.push((heads, b.clone()));
         Ok(b)
     }
+}
+
+/// The attention output times the sigmoid of the output gate's logits, where the layer
+/// has one (`AttentionSpec::output_gate`).
+fn gated(out: Array, gate: Option<Array>) -> Result<Array> {
+    Ok(match gate {
+        Some(gate) => out.multiply(mlx_rs::ops::sigmoid(&gate)?)?,
+        None => out,
+    })
 }
 
 /// Longest continuation of a cached sequence that attends over the whole cache buffer;
@@ -317,7 +329,25 @@ impl Attention {
             o,
             q_norm,
             k_norm,
+            short_kernels: false,
         })
+    }
+
+    /// Whether this layer's short forwards (attention and products) go through dspec's
+    /// CUDA kernels: see [`crate::cuda::wanted`].
+    pub fn use_short_kernels(&mut self, on: bool) {
+        self.short_kernels = on;
+        self.o.use_short_kernels(on);
+        match &mut self.projections {
+            Projections::Separate { q, k, v } => {
+                q.use_short_kernels(on);
+                k.use_short_kernels(on);
+                if let Some(v) = v {
+                    v.use_short_kernels(on);
+                }
+            }
+            Projections::Fused { qkv, .. } => qkv.use_short_kernels(on),
+        }
     }
 
     /// Raw (unnormed, unrotated) q, k and v of `x`; v is `None` under `k_eq_v`.
@@ -465,6 +495,11 @@ impl Attention {
             _ => cache.update_and_fetch(&k, &v)?,
         };
         let len = q.shape()[2];
+        if !rows && self.short_kernel_serves(len, q.dtype(), mask) {
+            let out =
+                crate::cuda::attention::attend(&q, &keys, &values, s.scale, s.sliding_window)?;
+            return self.o.forward(&gated(out, gate)?);
+        }
 
         let out = if rows {
             // One call per position: MLX's CUDA attention (0.32.2) computes several causal
@@ -499,11 +534,26 @@ impl Attention {
             out.transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, s.heads * s.head_dim])?
         };
-        let out = match gate {
-            Some(gate) => out.multiply(mlx_rs::ops::sigmoid(&gate)?)?,
-            None => out,
-        };
-        self.o.forward(&out)
+        self.o.forward(&gated(out, gate)?)
+    }
+
+    /// Whether dspec's CUDA attention kernel takes a causal forward of `len` positions
+    /// in `dtype` in this layer ([`crate::cuda::attention`]).
+    pub fn short_kernel_serves(&self, len: i32, dtype: Dtype, mask: &Mask) -> bool {
+        matches!(mask, Mask::Causal | Mask::Keys(_))
+            && (2..=crate::cuda::MAX_ROWS).contains(&len)
+            && self.short_kernel_available(dtype)
+    }
+
+    /// Whether dspec's CUDA attention kernel can take this layer's causal forwards of a
+    /// few positions in `dtype`.
+    pub fn short_kernel_available(&self, dtype: Dtype) -> bool {
+        self.short_kernels
+            && crate::cuda::attention::serves(
+                self.spec.head_dim,
+                dtype,
+                self.spec.softcap.is_some(),
+            )
     }
 
     /// The query and, under `output_gate`, the gate logits, each `[B, L, heads·D]`,

@@ -206,6 +206,9 @@ struct DenseProduct {
     /// Fewest rows each product is computed with, where fewer would go through another
     /// BLAS kernel than a verify's rows do (see [`rows_for_one_kernel`]).
     min_rows: Option<i32>,
+    /// The `[out, in]` weight (a view of `weight_t`'s buffer) where the model runs short
+    /// continuations through dspec's CUDA kernels ([`crate::cuda::product`]).
+    for_kernels: Option<Array>,
 }
 
 impl DenseProduct {
@@ -233,7 +236,12 @@ impl DenseProduct {
             to_copy: RefCell::new(to_copy),
             row_weights: RefCell::new(Vec::new()),
             min_rows,
+            for_kernels: None,
         }
+    }
+
+    fn use_short_kernels(&mut self, on: bool) {
+        self.for_kernels = (on && crate::cuda::available(self.dtype())).then(|| self.weight());
     }
 
     fn copy_pending(&self) -> bool {
@@ -265,6 +273,11 @@ impl DenseProduct {
             let weight_t = self.weight_t()?;
             let inputs = weight_t.shape()[0];
             let rows = (x.size() as i32) / inputs;
+            if let Some(weight) = &self.for_kernels {
+                if crate::cuda::product::serves(rows, weight) {
+                    return crate::cuda::product::product(x, weight);
+                }
+            }
             return match self.min_rows {
                 Some(min) if rows < min => padded_product(x, &weight_t, rows, min),
                 _ => Ok(matmul(x, &*weight_t)?),
@@ -390,6 +403,14 @@ pub enum Split<'a> {
 }
 
 impl Linear {
+    /// Whether products of a few rows go through dspec's CUDA kernel ([`crate::cuda`]);
+    /// off until the model turns it on.
+    pub fn use_short_kernels(&mut self, on: bool) {
+        if let LinearWeight::Dense(d) = &mut self.weight {
+            d.use_short_kernels(on);
+        }
+    }
+
     /// Loads `prefix.weight` (`[out, in]`), quantized or not, and `prefix.bias` when `bias`.
     /// A LoRA update the source offers for `prefix` is kept beside the weight or merged
     /// into it, as the update says.
@@ -693,6 +714,13 @@ enum Table {
 }
 
 impl Embedding {
+    /// Whether a tied head's products of a few rows go through dspec's CUDA kernel.
+    pub fn use_short_kernels(&mut self, on: bool) {
+        if let Table::Dense(d) = &mut self.table {
+            d.use_short_kernels(on);
+        }
+    }
+
     pub fn load(w: &mut dyn WeightSource, prefix: &str, vocab: i32, hidden: i32) -> Result<Self> {
         if w.contains(&format!("{prefix}.scales")) {
             return Ok(Embedding {
@@ -996,6 +1024,19 @@ enum GateUp {
 }
 
 impl GatedMlp {
+    /// Whether products of a few rows go through dspec's CUDA kernel ([`crate::cuda`]);
+    /// off until the model turns it on.
+    pub fn use_short_kernels(&mut self, on: bool) {
+        match &mut self.gate_up {
+            GateUp::Separate { gate, up } => {
+                gate.use_short_kernels(on);
+                up.use_short_kernels(on);
+            }
+            GateUp::Fused { both, .. } => both.use_short_kernels(on),
+        }
+        self.down.use_short_kernels(on);
+    }
+
     pub fn load(
         w: &mut dyn WeightSource,
         prefix: &str,

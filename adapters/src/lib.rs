@@ -7,10 +7,12 @@
 //! the family files and [`lora`]; [`layers`] ← [`gated_delta`] ← [`hybrid`] ← the hybrid
 //! family files (`qwen3_5`, `qwen3_next`); [`weights`] (the safetensors loader) sits
 //! under `config` and `lora`; [`tensor_parallel`] splits [`transformer`]'s decoder
-//! across an MLX distributed group.
+//! across an MLX distributed group; [`cuda`] (dspec's CUDA kernels for short
+//! continuations) sits under [`layers`] and [`attention`].
 
 pub mod attention;
 pub mod config;
+pub mod cuda;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod fixtures;
 pub mod gated_delta;

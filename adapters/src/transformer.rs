@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{broadcast_to, concatenate};
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::target::{check_forward_args, TapCollector};
@@ -15,6 +15,7 @@ use crate::attention::{
     attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention,
     AttentionSpec, Mask, WHOLE_BUFFER_MAX_TOKENS,
 };
+use crate::cuda;
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
 use crate::tensor_parallel::TensorParallel;
 
@@ -130,6 +131,12 @@ impl DecoderLayer {
         &self.attn
     }
 
+    /// Whether this layer's short forwards go through dspec's CUDA kernels.
+    pub fn use_short_kernels(&mut self, on: bool) {
+        self.attn.use_short_kernels(on);
+        self.mlp.use_short_kernels(on);
+    }
+
     /// `x`: `[1, L, hidden]` after what `cache` holds; `mask` as for [`Attention::forward`].
     pub fn forward(
         &self,
@@ -183,6 +190,46 @@ pub struct Decoder {
     rowwise_verify: bool,
     /// Short continuations attend over the whole cache buffer ([`whole_buffer_pays`]).
     whole_buffer: bool,
+    /// Every layer's attention takes continuations of up to [`cuda::MAX_ROWS`] positions
+    /// through dspec's CUDA kernel, which needs neither the whole buffer nor padding.
+    short_kernels: bool,
+    /// Compiling those kernels, started while the weights loaded ([`cuda::warm_up`]).
+    _warm_up: Option<cuda::WarmUp>,
+}
+
+/// The attention kernel builds the layers of `spec` call, one per distinct shape.
+fn attention_shapes(spec: &DecoderSpec) -> Vec<cuda::AttentionShape> {
+    let mut shapes: Vec<cuda::AttentionShape> = Vec::new();
+    for a in &spec.layers {
+        let shape = cuda::AttentionShape {
+            head_dim: a.head_dim,
+            window: a.sliding_window,
+            scale: a.scale,
+        };
+        if !shapes.contains(&shape) {
+            shapes.push(shape);
+        }
+    }
+    shapes
+}
+
+/// Bytes of weights one decode step reads, from the spec's shapes at `bytes_per_weight`:
+/// every layer's projections and the output head (a tied embedding is read whole as the
+/// head; as an embedding only one row is gathered).
+fn step_weight_bytes(spec: &DecoderSpec, bytes_per_weight: f64) -> f64 {
+    let hidden = spec.hidden_size as f64;
+    let layers: f64 = spec
+        .layers
+        .iter()
+        .map(|a| {
+            let (q, kv) = (
+                (a.heads * a.head_dim) as f64,
+                (a.kv_heads * a.head_dim) as f64,
+            );
+            hidden * (2.0 * q + 2.0 * kv) + 3.0 * hidden * spec.intermediate_size as f64
+        })
+        .sum();
+    (layers + hidden * spec.vocab_size as f64) * bytes_per_weight
 }
 
 /// Longest prompt read, where whole-buffer attention pays ([`whole_buffer_pays`]), as
@@ -222,7 +269,21 @@ impl Decoder {
             .unwrap_or(&spec.prefix)
             .clone();
         let (h, eps, style) = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight);
-        let embed = Embedding::load(w, &format!("{p}embed_tokens"), spec.vocab_size, h)?;
+        let mut embed = Embedding::load(w, &format!("{p}embed_tokens"), spec.vocab_size, h)?;
+        // dspec's CUDA kernels for short continuations where they pay, compiled while the
+        // rest of the weights load.
+        let dtype = embed.dtype();
+        let bytes_per_weight = match (w.options().quantize, dtype) {
+            (Some(q), _) => q.bits as f64 / 8.0,
+            (None, Dtype::Float32) => 4.0,
+            (None, _) => 2.0,
+        };
+        let kernels = cuda::available(dtype)
+            && cuda::wanted(
+                step_weight_bytes(&spec, bytes_per_weight),
+                w.options().verify_kernels,
+            );
+        let warm_up = kernels.then(|| cuda::warm_up(dtype, attention_shapes(&spec)));
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, attn_spec) in spec.layers.iter().enumerate() {
             layers.push(DecoderLayer::load_parallel(
@@ -233,13 +294,22 @@ impl Decoder {
                 tp,
             )?);
         }
+        for layer in &mut layers {
+            layer.use_short_kernels(kernels);
+        }
         let norm = RmsNorm::load(w, &format!("{p}norm.weight"), h, eps, style)?;
         // Some checkpoints ship an lm_head even when tied; an untied config requires one.
-        let lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
+        let mut lm_head = if spec.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
             Some(Linear::load(w, "lm_head", h, spec.vocab_size, false)?)
         };
+        embed.use_short_kernels(kernels);
+        if let Some(head) = &mut lm_head {
+            head.use_short_kernels(kernels);
+        }
+        let short_kernels = layers.iter().all(|l| l.attn.short_kernel_available(dtype));
+
         let info = ModelInfo {
             model_type: spec.model_type.clone(),
             num_layers: layers.len(),
@@ -259,6 +329,8 @@ impl Decoder {
             final_logit_softcap: spec.final_logit_softcap,
             rowwise_verify: w.options().rowwise_verify,
             whole_buffer: whole_buffer_pays(),
+            short_kernels,
+            _warm_up: warm_up,
         })
     }
 
@@ -278,7 +350,10 @@ impl Decoder {
         // (repeats of its last token, after the real ones so they change nothing before
         // them): see `whole_buffer_pays`. The padding's outputs are cut and its cache
         // positions trimmed below.
-        let over_whole_buffer = !rows && self.whole_buffer && is_short_continuation(offset, asked);
+        let over_whole_buffer = !rows
+            && self.whole_buffer
+            && is_short_continuation(offset, asked)
+            && !(self.short_kernels && asked <= cuda::MAX_ROWS);
         let pad = if over_whole_buffer {
             WHOLE_BUFFER_MAX_TOKENS - asked
         } else {
@@ -497,6 +572,72 @@ mod tests {
                 assert_eq!(differing, 0, "{name} {dtype:?}: {differing} logits differ");
             }
         }
+    }
+
+    /// A verify of a few positions in bf16 (on CUDA through dspec's kernels, a tiny model
+    /// being one they pay for; elsewhere through MLX) gives the logits of decoding the same
+    /// tokens one by one within bf16 rounding, with and without a sliding window that cuts
+    /// into the continuation, for head sizes the kernels take.
+    #[test]
+    fn short_bf16_verifies_agree_with_one_token_decoding() {
+        let tokens: Vec<u32> = (0..17).map(|i| (i * 29 + 7) % 97).collect();
+        for overrides in [
+            r#"{"head_dim": 64}"#,
+            r#"{"model_type": "mistral", "head_dim": 64, "sliding_window": 7}"#,
+            r#"{"head_dim": 128, "num_attention_heads": 6, "num_key_value_heads": 2}"#,
+        ] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            write_random_model(dir.path(), &with(TINY_LLAMA, overrides), 5, None).expect("fixture");
+            let options = LoadOptions {
+                dtype: Some(Dtype::Bfloat16),
+                verify_kernels: true,
+                ..LoadOptions::default()
+            };
+            let model = load_dir(dir.path(), &options).expect("load");
+            let decoded = continuation_logits(model.as_ref(), &tokens, 12, true);
+            let verified = continuation_logits(model.as_ref(), &tokens, 12, false);
+            assert_eq!(decoded.len(), 5 * 97);
+            let largest = decoded.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let worst = decoded
+                .iter()
+                .zip(&verified)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= 0.03 * largest,
+                "{overrides}: logits differ by {worst} (largest {largest})"
+            );
+        }
+    }
+
+    /// What a decode step reads, from the spec: Qwen2.5-Coder-1.5B's shapes in bf16 come
+    /// to its 3.1 GB (tied head read whole, embedding gathered), under the size up to which
+    /// the CUDA kernels pay; Qwen2.5-7B's 14 GB are over it.
+    #[test]
+    fn step_weight_bytes_follow_the_shapes() {
+        use crate::llama::llama_spec;
+        let shape = |hidden: i64, inter: i64, layers: i64, heads: i64, kv: i64, vocab: i64| {
+            let config = serde_json::json!({
+                "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+                "intermediate_size": inter, "num_hidden_layers": layers,
+                "num_attention_heads": heads, "num_key_value_heads": kv, "rms_norm_eps": 1e-6,
+                "rope_theta": 1e6, "tie_word_embeddings": true,
+            });
+            let spec = llama_spec(&config, std::path::Path::new("."), "llama", None).expect("spec");
+            // q and o square, k and v `kv` heads of hidden/heads, three MLP products.
+            let per_layer =
+                2 * hidden * hidden + 2 * hidden * kv * (hidden / heads) + 3 * hidden * inter;
+            let params = (layers * per_layer + vocab * hidden) as f64;
+            (super::step_weight_bytes(&spec, 2.0), 2.0 * params)
+        };
+        let (small, small_by_hand) = shape(1536, 8960, 28, 12, 2, 151_936);
+        let (large, large_by_hand) = shape(3584, 18944, 28, 28, 4, 152_064);
+        assert_eq!(small, small_by_hand);
+        assert_eq!(large, large_by_hand);
+        assert!((3.0e9..3.2e9).contains(&small), "1.5B: {small}");
+        assert!((14.0e9..14.3e9).contains(&large), "7B: {large}");
+        assert!(small <= crate::cuda::HOST_BOUND_WEIGHT_BYTES);
+        assert!(large > crate::cuda::HOST_BOUND_WEIGHT_BYTES);
     }
 
     /// A short prompt read in pieces over the whole buffer (CUDA's prefill path) gives

@@ -20,6 +20,7 @@ fn main() -> anyhow::Result<()> {
         dtype: Backend::detect().auto_dtype(),
         quantize: None,
         rowwise_verify: false,
+        verify_kernels: false,
     };
     let loaded = load_model(&dir, &builtin_registry()?, &options, false)?;
     let ids = loaded.tokenizer.encode_prompt(&prompt, false)?;

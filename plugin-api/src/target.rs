@@ -159,6 +159,11 @@ pub struct LoadOptions {
     /// bitwise those of plain decoding even where batched kernels round differently
     /// (CUDA, bf16). Opt-in (`--verify exact`): it reads the weights once per position.
     pub rowwise_verify: bool,
+    /// Verify drafts through kernels of the backend's own where they pay, compiled while
+    /// the weights load (on CUDA, dspec's kernels for short continuations: a one-off of
+    /// a few seconds per process, which a long-lived process such as `dspec serve` or
+    /// `dspec bench` repays and a one-shot generation of a few hundred tokens does not).
+    pub verify_kernels: bool,
 }
 
 /// Everything an adapter constructor gets.

@@ -117,6 +117,7 @@ impl ModelArgs {
             dtype,
             quantize,
             rowwise_verify,
+            verify_kernels: false,
         }
     }
 }

@@ -81,7 +81,9 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
         None => DEFAULT_PROMPTS.iter().map(|p| p.to_string()).collect(),
     };
     let backend = Backend::detect();
-    let options = args.model.load_options(backend);
+    let mut options = args.model.load_options(backend);
+    // Passes run in one process: the kernels' one-off compile is paid once.
+    options.verify_kernels = true;
     let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json && root;
     let loaded = match group {

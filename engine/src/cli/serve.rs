@@ -145,7 +145,9 @@ fn load_engine(
         args.tuning.for_group()?;
     }
     let backend = Backend::detect();
-    let options = args.model.load_options(backend);
+    let mut options = args.model.load_options(backend);
+    // Long-lived: the kernels' one-off compile is paid once for every request.
+    options.verify_kernels = true;
     let max_tokens = args.max_tokens as usize;
     let loaded = match group.as_deref() {
         None => load_model(&args.model.target, registry, &options, show_progress)?,

@@ -56,6 +56,8 @@ pub fn load_drafter(
         dtype: target_options.dtype.or(Some(target.model.info().dtype)),
         quantize: options.quantization(0).map_err(EngineError::Invalid)?,
         rowwise_verify: target_options.rowwise_verify,
+        // The draft model's catch-up forwards of a few tokens take the same kernels.
+        verify_kernels: target_options.verify_kernels,
     };
     let load_model = |dir: &Path| -> Result<Box<dyn TargetModel>, ModelError> {
         let found = registry.detect(dir)?;

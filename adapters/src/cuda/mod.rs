@@ -1,0 +1,290 @@
+//! dspec's own CUDA kernels for short continuations (a speculative verify of up to
+//! [`MAX_ROWS`] positions): a product of a few rows with a dense weight ([`product`])
+//! and causal attention of a few queries over the KV cache ([`attention`]).
+//!
+//! Why: in MLX 0.32.2's CUDA backend a product of more than one row goes to cuBLASLt,
+//! whose matmul MLX sets up and captures into its CUDA graph on every call, and
+//! attention of more than one query with a mask goes to cuDNN, likewise captured. Each
+//! such call costs the host tens of microseconds more than a kernel node
+//! (`scripts/gpu_graph_reuse.py`), and a model whose step is host-bound (1.5B on an
+//! H100) paid that on every layer of every verify. These kernels are plain kernel nodes,
+//! compiled once per process by NVRTC through MLX's `fast::cuda_kernel`.
+//!
+//! They pay where a decode step is host-bound: their products run on CUDA cores, which
+//! a model whose weights take the device longer to read than the host takes to queue a
+//! step cannot afford (see [`wanted`]).
+//!
+//! They round differently from MLX's one-row kernels, as cuBLASLt and cuDNN do: greedy
+//! output stays plain decoding's up to near-ties (docs/verify-numerics.md), and
+//! `--verify exact` keeps the bitwise row layout, which does not use them.
+//!
+//! MLX compiles a custom kernel at its first call in each process and keeps it out of its
+//! disk cache: about two seconds per kernel on an H100 host, a one-off that a long-lived
+//! process repays and a one-shot generation of a few hundred tokens does not. So the
+//! kernels run where the command asks for them (`LoadOptions::verify_kernels`: `dspec
+//! serve`, `dspec bench`), and [`warm_up`] compiles them on a thread of its own as soon as
+//! the model's shapes are known. MLX holds its compile lock meanwhile, so the process's
+//! first kernels of MLX's own wait for it too: the one-off lands in loading or prefill
+//! rather than in a verify.
+
+pub mod attention;
+pub mod product;
+
+use std::ffi::CString;
+use std::sync::OnceLock;
+use std::thread::JoinHandle;
+
+use mlx_rs::{Array, Dtype, Stream};
+
+use dspec_plugin_api::error::{ModelError, Result};
+use dspec_runtime::Backend;
+
+/// Most positions the kernels take in one call. A product's cost on CUDA cores grows
+/// with its rows (tensor-core libraries do not pay that), so past a few rows cuBLASLt's
+/// per-call cost is the smaller one.
+pub const MAX_ROWS: i32 = 8;
+
+/// Bytes of weights a decode step reads up to which a model's short continuations go
+/// through the kernels (on an H100, about what the device reads in the time the host
+/// takes to queue a step, with the kernels' products at half of cuBLASLt's speed):
+/// Qwen2.5-Coder-1.5B in bf16 (3.1 GB) gains from them, Qwen2.5-7B (14 GB) loses
+/// (docs/benchmarks.md, "dspec's CUDA kernels").
+pub const HOST_BOUND_WEIGHT_BYTES: f64 = 5e9;
+
+/// `DSPEC_CUDA_KERNELS`: unset, where asked for and the model is small enough
+/// ([`wanted`]); `0`, never; `1`, for every model and command (A/B runs, or a one-shot
+/// generation long enough to repay the compile).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Setting {
+    BySize,
+    Never,
+    Always,
+}
+
+fn setting() -> Setting {
+    static SETTING: OnceLock<Setting> = OnceLock::new();
+    *SETTING.get_or_init(|| setting_of(std::env::var("DSPEC_CUDA_KERNELS").ok().as_deref()))
+}
+
+fn setting_of(value: Option<&str>) -> Setting {
+    match value {
+        Some("0") => Setting::Never,
+        Some("1") => Setting::Always,
+        _ => Setting::BySize,
+    }
+}
+
+/// Whether the kernels can run in this process for `dtype`: on CUDA, for 16-bit floats,
+/// unless `DSPEC_CUDA_KERNELS=0`.
+pub fn available(dtype: Dtype) -> bool {
+    Backend::current() == Backend::Cuda
+        && setting() != Setting::Never
+        && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
+}
+
+/// Whether a model whose decode step reads `step_weight_bytes` runs its short
+/// continuations through the kernels, when the command `asked` for them
+/// (`LoadOptions::verify_kernels`): only where a step is host-bound
+/// ([`HOST_BOUND_WEIGHT_BYTES`]), unless `DSPEC_CUDA_KERNELS` says otherwise.
+pub fn wanted(step_weight_bytes: f64, asked: bool) -> bool {
+    wanted_under(setting(), step_weight_bytes, asked)
+}
+
+fn wanted_under(setting: Setting, step_weight_bytes: f64, asked: bool) -> bool {
+    match setting {
+        Setting::Always => true,
+        Setting::Never => false,
+        Setting::BySize => asked && step_weight_bytes <= HOST_BOUND_WEIGHT_BYTES,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `DSPEC_CUDA_KERNELS` overrides both the command and the size; unset, the kernels
+    /// run only where the command asks and the model is host-bound.
+    #[test]
+    fn the_setting_and_the_size_decide() {
+        assert_eq!(setting_of(None), Setting::BySize);
+        assert_eq!(setting_of(Some("yes")), Setting::BySize);
+        let (small, large) = (3.1e9, 14.1e9);
+        assert!(wanted_under(Setting::BySize, small, true));
+        assert!(!wanted_under(Setting::BySize, small, false));
+        assert!(!wanted_under(Setting::BySize, large, true));
+        assert!(wanted_under(setting_of(Some("1")), large, false));
+        assert!(!wanted_under(setting_of(Some("0")), small, true));
+    }
+}
+
+/// The template arguments of one attention kernel build: head size, sliding window and
+/// score scale.
+#[derive(Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    pub head_dim: i32,
+    pub window: Option<i32>,
+    pub scale: f32,
+}
+
+/// A compile started by [`warm_up`]; dropping it waits for the compile to end, so that
+/// it never outlives the model that asked for it (nor runs into the process's exit).
+pub struct WarmUp(Option<JoinHandle<()>>);
+
+impl Drop for WarmUp {
+    fn drop(&mut self) {
+        if let Some(compile) = self.0.take() {
+            let _ = compile.join();
+        }
+    }
+}
+
+/// Compiles the kernels a model in `dtype` with these attention shapes will call, on a
+/// thread of its own (MLX evaluates from several threads, each on its own stream, and
+/// shares what it compiled). Calls that come first wait for the compile instead of
+/// starting another. A failure is left for the real call to report.
+pub fn warm_up(dtype: Dtype, shapes: Vec<AttentionShape>) -> WarmUp {
+    let compile = move || -> Result<()> {
+        let zeros = |shape: &[i32]| Array::zeros::<f32>(shape)?.as_dtype(dtype);
+        let mut outs = vec![product::product(&zeros(&[1, 2, 8])?, &zeros(&[8, 8])?)?];
+        for s in shapes {
+            let (q, kv) = (
+                zeros(&[1, 1, 2, s.head_dim])?,
+                zeros(&[1, 1, 2, s.head_dim])?,
+            );
+            outs.push(attention::attend(&q, &kv, &kv, s.scale, s.window)?);
+        }
+        mlx_rs::transforms::eval(&outs)?;
+        Ok(())
+    };
+    WarmUp(
+        std::thread::Builder::new()
+            .name("dspec-cuda-kernels".into())
+            .spawn(move || {
+                let _ = compile();
+            })
+            .ok(),
+    )
+}
+
+/// One kernel: its name, parameter names and body (MLX writes the signature, with
+/// `NAME_shape`/`NAME_strides` parameters for the inputs whose shape or strides the
+/// body mentions).
+struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
+
+/// A C string of one of this module's constant names or sources.
+fn c_string(s: &str) -> CString {
+    CString::new(s).unwrap_or_default()
+}
+
+impl Kernel {
+    /// `row_contiguous`: MLX copies inputs that are not (a body that indexes them
+    /// densely needs it; one that reads `_strides` does not).
+    fn new(name: &str, inputs: &[&str], source: &str, row_contiguous: bool) -> Kernel {
+        let strings = |names: &[&str]| {
+            // SAFETY: a fresh vector; mlx-c copies each name in.
+            unsafe {
+                let v = mlx_sys::mlx_vector_string_new();
+                for name in names {
+                    let c = c_string(name);
+                    mlx_sys::mlx_vector_string_append_value(v, c.as_ptr());
+                }
+                v
+            }
+        };
+        let (inputs, outputs) = (strings(inputs), strings(&["out"]));
+        let (name, source, header) = (c_string(name), c_string(source), c_string(""));
+        // SAFETY: all arguments are valid for the call; mlx-c copies what it keeps.
+        unsafe {
+            let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
+                name.as_ptr(),
+                inputs,
+                outputs,
+                source.as_ptr(),
+                header.as_ptr(),
+                row_contiguous,
+                0,
+            );
+            mlx_sys::mlx_vector_string_free(inputs);
+            mlx_sys::mlx_vector_string_free(outputs);
+            Kernel(kernel)
+        }
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        // SAFETY: made by `mlx_fast_cuda_kernel_new`, freed once.
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.0) };
+    }
+}
+
+/// How one call runs: the output's shape and dtype (also the template type `T`), the
+/// grid in threads (MLX's convention, as for Metal), the block size, and the integer
+/// template arguments.
+struct Launch<'a> {
+    out_shape: &'a [i32],
+    dtype: Dtype,
+    grid: (i32, i32, i32),
+    block: i32,
+    ints: &'a [(&'a str, i32)],
+}
+
+fn apply(kernel: &Kernel, inputs: &[&Array], launch: Launch<'_>) -> Result<Array> {
+    let names: Vec<(CString, i32)> = launch.ints.iter().map(|(n, v)| (c_string(n), *v)).collect();
+    let t = c_string("T");
+    let stream = Stream::thread_local_or_default();
+    // SAFETY: the config and the vectors are created, used and freed here; the arrays
+    // they hold are reference-counted by MLX.
+    unsafe {
+        let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+        let dtype = launch.dtype.into();
+        let mut status = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+            config,
+            launch.out_shape.as_ptr(),
+            launch.out_shape.len(),
+            dtype,
+        );
+        let (gx, gy, gz) = launch.grid;
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, gx, gy, gz);
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, launch.block, 1, 1);
+        status |=
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, t.as_ptr(), dtype);
+        for (name, value) in &names {
+            status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                config,
+                name.as_ptr(),
+                *value,
+            );
+        }
+        let ins = mlx_sys::mlx_vector_array_new();
+        for a in inputs {
+            status |= mlx_sys::mlx_vector_array_append_value(ins, a.as_ptr());
+        }
+        let mut outs = mlx_sys::mlx_vector_array_new();
+        if status == 0 {
+            status = mlx_sys::mlx_fast_cuda_kernel_apply(
+                &mut outs,
+                kernel.0,
+                ins,
+                config,
+                stream.as_ref().as_ptr(),
+            );
+        }
+        let mut out = mlx_sys::mlx_array_new();
+        if status == 0 {
+            status = mlx_sys::mlx_vector_array_get(&mut out, outs, 0);
+        }
+        mlx_sys::mlx_vector_array_free(ins);
+        mlx_sys::mlx_vector_array_free(outs);
+        mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+        if status != 0 {
+            mlx_sys::mlx_array_free(out);
+            return Err(ModelError::Unsupported(
+                "MLX refused one of dspec's CUDA kernels (set DSPEC_CUDA_KERNELS=0 to run \
+                 without them)"
+                    .into(),
+            ));
+        }
+        Ok(Array::from_ptr(out))
+    }
+}
