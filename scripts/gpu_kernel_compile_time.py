@@ -6,16 +6,12 @@ dspec's product and attention kernels (sources read from adapters/src/cuda/*.rs)
 Usage: python3 scripts/gpu_kernel_compile_time.py
 """
 
-import re
 import struct
 import time
 
 import mlx.core as mx
 
-
-def source(path):
-    text = open(path).read()
-    return re.search(r'const SOURCE: &str = r#"(.*?)"#;', text, re.S).group(1)
+from gpu_product_layouts import rust_kernel_source
 
 
 def timed(label, fn):
@@ -40,14 +36,14 @@ def main():
                                         threadgroup=(32, 1, 1), output_shapes=[(1,)],
                                         output_dtypes=[mx.bfloat16])[0])
     product = mx.fast.cuda_kernel(name="product", input_names=["x", "w"], output_names=["out"],
-                                  source=source("adapters/src/cuda/product.rs"))
+                                  source=rust_kernel_source("product.rs"))
     timed("product kernel", lambda: product(
         inputs=[x, w], template=[("T", mx.bfloat16), ("MAX_ROWS", 8), ("COLS", 4)],
         grid=(8 * 32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1, 4, 32)],
         output_dtypes=[mx.bfloat16])[0])
     attention = mx.fast.cuda_kernel(name="attention", input_names=["q", "k", "v"],
                                     output_names=["out"], ensure_row_contiguous=False,
-                                    source=source("adapters/src/cuda/attention.rs"))
+                                    source=rust_kernel_source("attention.rs"))
     bits = struct.unpack("<i", struct.pack("<f", 128 ** -0.5))[0]
     timed("attention kernel", lambda: attention(
         inputs=[q, kv, kv], template=[("T", mx.bfloat16), ("D", 128), ("WARPS", 4), ("WINDOW", 0),
