@@ -539,7 +539,7 @@ impl Attention {
 
     /// Whether dspec's CUDA attention kernel takes a causal forward of `len` positions
     /// in `dtype` in this layer ([`crate::cuda::attention`]).
-    pub fn short_kernel_serves(&self, len: i32, dtype: Dtype, mask: &Mask) -> bool {
+    fn short_kernel_serves(&self, len: i32, dtype: Dtype, mask: &Mask) -> bool {
         matches!(mask, Mask::Causal | Mask::Keys(_))
             && (2..=crate::cuda::MAX_ROWS).contains(&len)
             && self.short_kernel_available(dtype)
