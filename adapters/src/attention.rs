@@ -540,15 +540,9 @@ impl Attention {
     /// Whether dspec's CUDA attention kernel takes a causal forward of `len` positions
     /// in `dtype` in this layer ([`crate::cuda::attention`]).
     fn short_kernel_serves(&self, len: i32, dtype: Dtype, mask: &Mask) -> bool {
-        matches!(mask, Mask::Causal | Mask::Keys(_))
-            && (2..=crate::cuda::MAX_ROWS).contains(&len)
-            && self.short_kernel_available(dtype)
-    }
-
-    /// Whether dspec's CUDA attention kernel can take this layer's causal forwards of a
-    /// few positions in `dtype`.
-    pub fn short_kernel_available(&self, dtype: Dtype) -> bool {
         self.short_kernels
+            && matches!(mask, Mask::Causal | Mask::Keys(_))
+            && (2..=crate::cuda::MAX_ROWS).contains(&len)
             && crate::cuda::attention::serves(
                 self.spec.head_dim,
                 dtype,

@@ -270,8 +270,10 @@ impl Decoder {
             .clone();
         let (h, eps, style) = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight);
         let mut embed = Embedding::load(w, &format!("{p}embed_tokens"), spec.vocab_size, h)?;
-        // dspec's CUDA kernels for short continuations where they pay, compiled while the
-        // rest of the weights load.
+        // dspec's CUDA kernels for short continuations where they pay and every layer's
+        // attention fits them (otherwise continuations stay padded for MLX's attention,
+        // and the products would never see few enough rows), compiled while the rest of
+        // the weights load.
         let dtype = embed.dtype();
         let bytes_per_weight = match (w.options().quantize, dtype) {
             (Some(q), _) => q.bits as f64 / 8.0,
@@ -279,6 +281,10 @@ impl Decoder {
             (None, _) => 2.0,
         };
         let kernels = cuda::available(dtype)
+            && spec
+                .layers
+                .iter()
+                .all(|a| cuda::attention::serves(a.head_dim, dtype, a.softcap.is_some()))
             && cuda::wanted(
                 step_weight_bytes(&spec, bytes_per_weight),
                 w.options().verify_kernels,
@@ -308,7 +314,6 @@ impl Decoder {
         if let Some(head) = &mut lm_head {
             head.use_short_kernels(kernels);
         }
-        let short_kernels = layers.iter().all(|l| l.attn.short_kernel_available(dtype));
 
         let info = ModelInfo {
             model_type: spec.model_type.clone(),
@@ -329,7 +334,7 @@ impl Decoder {
             final_logit_softcap: spec.final_logit_softcap,
             rowwise_verify: w.options().rowwise_verify,
             whole_buffer: whole_buffer_pays(),
-            short_kernels,
+            short_kernels: kernels,
             _warm_up: warm_up,
         })
     }
