@@ -495,7 +495,8 @@ impl Attention {
             _ => cache.update_and_fetch(&k, &v)?,
         };
         let len = q.shape()[2];
-        if !rows && self.short_kernel_serves(len, q.dtype(), mask) {
+        let one_dtype = keys.dtype() == q.dtype() && values.dtype() == q.dtype();
+        if !rows && one_dtype && self.short_kernel_serves(len, q.dtype(), mask) {
             let out =
                 crate::cuda::attention::attend(&q, &keys, &values, s.scale, s.sliding_window)?;
             return self.o.forward(&gated(out, gate)?);

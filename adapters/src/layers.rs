@@ -274,7 +274,7 @@ impl DenseProduct {
             let inputs = weight_t.shape()[0];
             let rows = (x.size() as i32) / inputs;
             if let Some(weight) = &self.for_kernels {
-                if crate::cuda::product::serves(rows, weight) {
+                if crate::cuda::product::serves(x, rows, weight) {
                     return crate::cuda::product::product(x, weight);
                 }
             }
@@ -994,8 +994,11 @@ impl Activation {
         fn silu((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
             g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)
         }
+        // mlx-rs's tanh GELU multiplies by f32 constants, which promote 16-bit inputs to
+        // f32; the cast keeps the activations (and every later product) in the model's
+        // dtype, as PyTorch's GELU returns its input's dtype.
         fn gelu((g, u): (&Array, &Array)) -> std::result::Result<Array, Exception> {
-            nn::gelu_approximate(g)?.multiply(u)
+            nn::gelu_approximate(g)?.as_dtype(g.dtype())?.multiply(u)
         }
         thread_local! {
             static SILU: RefCell<Gated> = RefCell::new(Box::new(compile(silu, true)));
@@ -1108,6 +1111,40 @@ mod tests {
     use super::*;
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
+
+    /// The gated activations keep 16-bit activations in their dtype (a promotion to f32
+    /// would carry f32 through every later layer and product), and compute tanh GELU as
+    /// its formula does, within bf16 rounding.
+    #[test]
+    fn gated_activations_keep_the_activations_dtype() {
+        use mlx_rs::Dtype;
+        let gate = [-3.0f32, -0.7, 0.0, 0.4, 1.3, 2.9];
+        let up = [0.5f32, -1.5, 2.0, 1.0, -0.25, 3.0];
+        let g = Array::from_slice(&gate, &[1, 6])
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
+        let u = Array::from_slice(&up, &[1, 6])
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            let y = act.gated(&g, &u).unwrap();
+            assert_eq!(y.dtype(), Dtype::Bfloat16, "{act:?}");
+        }
+        let y = Activation::GeluTanh
+            .gated(&g, &u)
+            .unwrap()
+            .as_dtype(Dtype::Float32)
+            .unwrap();
+        for (i, (&x, &v)) in gate.iter().zip(&up).enumerate() {
+            let inner = (2.0f32 / std::f32::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            let want = 0.5 * x * (1.0 + inner.tanh()) * v;
+            let got = y.as_slice::<f32>()[i];
+            assert!(
+                (got - want).abs() <= 0.02 * want.abs().max(0.05),
+                "x {x}: {got} vs {want}"
+            );
+        }
+    }
 
     /// Quantized projections fuse like dense ones: the fused product's outputs are the
     /// separate products' side by side; a mix of dense and quantized, or of bit widths,

@@ -280,7 +280,10 @@ impl Decoder {
             (None, Dtype::Float32) => 4.0,
             (None, _) => 2.0,
         };
+        // `--verify exact` promises one-token kernels for verifies, and reads prompts
+        // whole rather than in pieces: nothing for these kernels to do.
         let kernels = cuda::available(dtype)
+            && !w.options().rowwise_verify
             && spec
                 .layers
                 .iter()

@@ -51,9 +51,10 @@ pub const MAX_ROWS: i32 = 8;
 /// (docs/benchmarks.md, "dspec's CUDA kernels").
 pub const HOST_BOUND_WEIGHT_BYTES: f64 = 5e9;
 
-/// `DSPEC_CUDA_KERNELS`: unset, where asked for and the model is small enough
-/// ([`wanted`]); `0`, never; `1`, for every model and command (A/B runs, or a one-shot
-/// generation long enough to repay the compile).
+/// `DSPEC_CUDA_KERNELS`: unset (or any other value), where asked for and the model is
+/// small enough ([`wanted`]); `0`, never; `1`, for every model size and command (A/B runs,
+/// or a one-shot generation long enough to repay the compile); the kernels' own limits
+/// (dtype, head size, no softcapping, `--verify exact` off) hold either way.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Setting {
     BySize,

@@ -118,11 +118,12 @@ thread_local! {
     static KERNEL: Kernel = Kernel::new("dspec_rows_product", &["x", "w"], SOURCE, true);
 }
 
-/// Whether [`product`] serves `rows` rows (all of `x` but its last dimension) times
-/// `weight` here.
-pub fn serves(rows: i32, weight: &Array) -> bool {
+/// Whether [`product`] serves `x`, `rows` rows (all of it but its last dimension), times
+/// `weight` here. The kernel reads `x` as the weight's dtype, so the two must agree.
+pub fn serves(x: &Array, rows: i32, weight: &Array) -> bool {
     let shape = weight.shape();
     available(weight.dtype())
+        && x.dtype() == weight.dtype()
         && (2..=MAX_ROWS).contains(&rows)
         && shape.len() == 2
         && shape[1] % VEC == 0
@@ -192,11 +193,20 @@ mod tests {
             .unwrap()
             .as_dtype(Dtype::Bfloat16)
             .unwrap();
+        let x4 = random::normal::<f32>(&[1, 4, 200], None, None, None)
+            .unwrap()
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
         if !available(Dtype::Bfloat16) {
-            assert!(!serves(4, &w));
+            assert!(!serves(&x4, 4, &w));
             return;
         }
-        assert!(!serves(1, &w) && !serves(MAX_ROWS + 1, &w));
+        assert!(!serves(&x4, 1, &w) && !serves(&x4, MAX_ROWS + 1, &w));
+        let f32_rows = x4.as_dtype(Dtype::Float32).unwrap();
+        assert!(
+            !serves(&f32_rows, 4, &w),
+            "rows of another dtype than the weight"
+        );
         for (out_f, in_f) in [(70, 200), (2_048, 1_536), (1_536, 8_960)] {
             let w = random::normal::<f32>(&[out_f, in_f], None, None, Some(&key))
                 .unwrap()
@@ -207,7 +217,7 @@ mod tests {
                     .unwrap()
                     .as_dtype(Dtype::Bfloat16)
                     .unwrap();
-                assert!(serves(rows, &w));
+                assert!(serves(&x, rows, &w));
                 let got = product(&x, &w).unwrap();
                 assert_eq!(got.shape(), &[1, rows, out_f]);
                 let want = matmul(
