@@ -495,8 +495,7 @@ impl Attention {
             _ => cache.update_and_fetch(&k, &v)?,
         };
         let len = q.shape()[2];
-        let one_dtype = keys.dtype() == q.dtype() && values.dtype() == q.dtype();
-        if !rows && one_dtype && self.short_kernel_serves(len, q.dtype(), mask) {
+        if !rows && self.short_kernel_serves(&q, &keys, &values, mask) {
             let out =
                 crate::cuda::attention::attend(&q, &keys, &values, s.scale, s.sliding_window)?;
             return self.o.forward(&gated(out, gate)?);
@@ -538,12 +537,16 @@ impl Attention {
         self.o.forward(&gated(out, gate)?)
     }
 
-    /// Whether dspec's CUDA attention kernel takes a causal forward of `len` positions
-    /// in `dtype` in this layer ([`crate::cuda::attention`]).
-    fn short_kernel_serves(&self, len: i32, dtype: Dtype, mask: &Mask) -> bool {
+    /// Whether dspec's CUDA attention kernel takes this causal forward of `q` over
+    /// `keys`/`values` in this layer ([`crate::cuda::attention`]; the kernel reads all
+    /// three as one dtype). Cheapest checks first: every decode step asks.
+    fn short_kernel_serves(&self, q: &Array, keys: &Array, values: &Array, mask: &Mask) -> bool {
+        let dtype = q.dtype();
         self.short_kernels
+            && (2..=crate::cuda::MAX_ROWS).contains(&q.shape()[2])
             && matches!(mask, Mask::Causal | Mask::Keys(_))
-            && (2..=crate::cuda::MAX_ROWS).contains(&len)
+            && keys.dtype() == dtype
+            && values.dtype() == dtype
             && crate::cuda::attention::serves(
                 self.spec.head_dim,
                 dtype,

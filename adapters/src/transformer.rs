@@ -510,6 +510,14 @@ mod tests {
 
     use crate::fixtures::{load_dir, with, write_random_model, TINY_LLAMA};
 
+    /// The largest absolute difference between two equally long runs of logits.
+    fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    }
+
     /// Logits of `tokens[prefix..]` after a `prefix`-token prefill, run either one token
     /// at a time (plain decoding) or as one continuation (a speculative verify).
     fn continuation_logits(
@@ -606,11 +614,7 @@ mod tests {
             let verified = continuation_logits(model.as_ref(), &tokens, 12, false);
             assert_eq!(decoded.len(), 5 * 97);
             let largest = decoded.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let worst = decoded
-                .iter()
-                .zip(&verified)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let worst = largest_difference(&decoded, &verified);
             assert!(
                 worst <= 0.03 * largest,
                 "{overrides}: logits differ by {worst} (largest {largest})"
@@ -684,11 +688,7 @@ mod tests {
             let (pieces, one) = (run(true), run(false));
             for (what, a, b) in [("logits", &pieces.0, &one.0), ("taps", &pieces.1, &one.1)] {
                 assert_eq!(a.len(), b.len());
-                let worst = a
-                    .iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0f32, f32::max);
+                let worst = largest_difference(a, b);
                 assert!(worst < 1e-4, "prompt {prompt}, {what}: differ by {worst}");
             }
         }
@@ -745,11 +745,7 @@ mod tests {
             };
             let (whole, causal) = (run(true), run(false));
             assert_eq!(whole.len(), (6 + 20) * 97);
-            let worst = whole
-                .iter()
-                .zip(&causal)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let worst = largest_difference(&whole, &causal);
             assert!(
                 worst < 1e-4,
                 "window {window:?}: logits differ by up to {worst}"

@@ -134,10 +134,10 @@ pub fn attend(
                 grid: (heads * rows * WARPS * 32, 1, 1),
                 block: WARPS * 32,
                 ints: &[
-                    ("D", head_dim),
-                    ("WARPS", WARPS),
-                    ("WINDOW", window.unwrap_or(0)),
-                    ("SCALE_BITS", scale.to_bits() as i32),
+                    (c"D", head_dim),
+                    (c"WARPS", WARPS),
+                    (c"WINDOW", window.unwrap_or(0)),
+                    (c"SCALE_BITS", scale.to_bits() as i32),
                 ],
             },
         )

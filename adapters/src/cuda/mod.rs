@@ -30,7 +30,7 @@
 pub mod attention;
 pub mod product;
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::sync::OnceLock;
 use std::thread::JoinHandle;
 
@@ -96,25 +96,6 @@ fn wanted_under(setting: Setting, step_weight_bytes: f64, asked: bool) -> bool {
         Setting::Always => true,
         Setting::Never => false,
         Setting::BySize => asked && step_weight_bytes <= HOST_BOUND_WEIGHT_BYTES,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `DSPEC_CUDA_KERNELS` overrides both the command and the size; unset, the kernels
-    /// run only where the command asks and the model is host-bound.
-    #[test]
-    fn the_setting_and_the_size_decide() {
-        assert_eq!(setting_of(None), Setting::BySize);
-        assert_eq!(setting_of(Some("yes")), Setting::BySize);
-        let (small, large) = (3.1e9, 14.1e9);
-        assert!(wanted_under(Setting::BySize, small, true));
-        assert!(!wanted_under(Setting::BySize, small, false));
-        assert!(!wanted_under(Setting::BySize, large, true));
-        assert!(wanted_under(setting_of(Some("1")), large, false));
-        assert!(!wanted_under(setting_of(Some("0")), small, true));
     }
 }
 
@@ -227,12 +208,10 @@ struct Launch<'a> {
     dtype: Dtype,
     grid: (i32, i32, i32),
     block: i32,
-    ints: &'a [(&'a str, i32)],
+    ints: &'a [(&'a CStr, i32)],
 }
 
 fn apply(kernel: &Kernel, inputs: &[&Array], launch: Launch<'_>) -> Result<Array> {
-    let names: Vec<(CString, i32)> = launch.ints.iter().map(|(n, v)| (c_string(n), *v)).collect();
-    let t = c_string("T");
     let stream = Stream::thread_local_or_default();
     // SAFETY: the config and the vectors are created, used and freed here; the arrays
     // they hold are reference-counted by MLX.
@@ -248,9 +227,12 @@ fn apply(kernel: &Kernel, inputs: &[&Array], launch: Launch<'_>) -> Result<Array
         let (gx, gy, gz) = launch.grid;
         status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, gx, gy, gz);
         status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, launch.block, 1, 1);
-        status |=
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, t.as_ptr(), dtype);
-        for (name, value) in &names {
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+            config,
+            c"T".as_ptr(),
+            dtype,
+        );
+        for (name, value) in launch.ints {
             status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
                 config,
                 name.as_ptr(),
@@ -287,5 +269,24 @@ fn apply(kernel: &Kernel, inputs: &[&Array], launch: Launch<'_>) -> Result<Array
             ));
         }
         Ok(Array::from_ptr(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `DSPEC_CUDA_KERNELS` overrides both the command and the size; unset, the kernels
+    /// run only where the command asks and the model is host-bound.
+    #[test]
+    fn the_setting_and_the_size_decide() {
+        assert_eq!(setting_of(None), Setting::BySize);
+        assert_eq!(setting_of(Some("yes")), Setting::BySize);
+        let (small, large) = (3.1e9, 14.1e9);
+        assert!(wanted_under(Setting::BySize, small, true));
+        assert!(!wanted_under(Setting::BySize, small, false));
+        assert!(!wanted_under(Setting::BySize, large, true));
+        assert!(wanted_under(setting_of(Some("1")), large, false));
+        assert!(!wanted_under(setting_of(Some("0")), small, true));
     }
 }

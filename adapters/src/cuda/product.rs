@@ -122,9 +122,9 @@ thread_local! {
 /// `weight` here. The kernel reads `x` as the weight's dtype, so the two must agree.
 pub fn serves(x: &Array, rows: i32, weight: &Array) -> bool {
     let shape = weight.shape();
-    available(weight.dtype())
+    (2..=MAX_ROWS).contains(&rows)
+        && available(weight.dtype())
         && x.dtype() == weight.dtype()
-        && (2..=MAX_ROWS).contains(&rows)
         && shape.len() == 2
         && shape[1] % VEC == 0
 }
@@ -160,7 +160,7 @@ pub fn product(x: &Array, weight: &Array) -> Result<Array> {
                 dtype: weight.dtype(),
                 grid: (groups * warps * 32, 1, 1),
                 block: warps * 32,
-                ints: &[("MAX_ROWS", MAX_ROWS), ("COLS", COLS)],
+                ints: &[(c"MAX_ROWS", MAX_ROWS), (c"COLS", COLS)],
             },
         )
     })
