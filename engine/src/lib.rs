@@ -5,10 +5,12 @@
 //! `text` (tokenizer, chat template, streaming detokenization, stop strings), `decoding`
 //! (plain and speculative decoding, sampling, acceptance, draft lengths, drafters),
 //! `scoring` (log-probabilities), `serve` (the OpenAI-compatible server), `bench`, and
-//! `formats` (GGUF reading and conversion, used only by `dspec convert`). The command
-//! line is the binary's `cli` module.
+//! `formats` (GGUF reading and conversion, used only by `dspec convert`); `runtime` and
+//! `cpu_blas` say what this process runs on. The command line is the binary's `cli`
+//! module.
 
 pub mod bench;
+pub mod cpu_blas;
 pub mod decoding;
 pub mod error;
 pub mod formats;

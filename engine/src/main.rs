@@ -8,6 +8,8 @@ use clap::Parser;
 use dspec_engine::runtime::{exit_process, version_report};
 
 fn main() {
+    // Before anything else: it may start the program again.
+    dspec_engine::cpu_blas::restart_on_the_cpu_s_kernels();
     let cli = cli::Cli::parse();
     let result = match (cli.version, cli.command) {
         (true, _) => {

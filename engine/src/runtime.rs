@@ -54,7 +54,7 @@ pub fn version_report() -> String {
     } else {
         format!("redirected from the linked {linked}")
     };
-    format!(
+    let mut report = format!(
         "dspec {}\nmlx {}\ndevice {}\nlibmlx {} ({blas})",
         env!("CARGO_PKG_VERSION"),
         mlx_version(),
@@ -62,7 +62,12 @@ pub fn version_report() -> String {
         loaded
             .map(|d| d.display().to_string())
             .unwrap_or_else(|| linked.to_string()),
-    )
+    );
+    if let Some(kernels) = crate::cpu_blas::report() {
+        report.push('\n');
+        report.push_str(&kernels);
+    }
+    report
 }
 
 /// Directory of the loaded libmlx, from the dynamic loader's own map of this process.

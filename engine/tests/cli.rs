@@ -52,13 +52,62 @@ fn path_str(p: &Path) -> &str {
     p.to_str().expect("utf-8 temp path")
 }
 
+/// The `blas-kernels` line of `dspec --version` run with `coretype` as
+/// `OPENBLAS_CORETYPE` (unset for `None`), or `None` where dspec's libmlx has no OpenBLAS.
+fn openblas_kernels_line(coretype: Option<&str>) -> Option<String> {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_dspec"));
+    command.arg("--version");
+    match coretype {
+        Some(name) => command.env("OPENBLAS_CORETYPE", name),
+        None => command.env_remove("OPENBLAS_CORETYPE"),
+    };
+    let out = command.output().expect("run dspec");
+    assert!(out.status.success(), "{}", stderr(&out));
+    stdout(&out)
+        .lines()
+        .find(|l| l.starts_with("blas-kernels "))
+        .map(str::to_string)
+}
+
+/// Where OpenBLAS takes this CPU for one without AVX (OpenBLAS before 0.3.25 on Intel
+/// models it does not know), dspec starts itself again on the kernels the CPU's
+/// instruction sets call for; elsewhere OpenBLAS's choice stands. A user's
+/// `OPENBLAS_CORETYPE` is kept as given.
+#[test]
+fn dspec_runs_openblas_kernels_for_this_cpu() {
+    let Some(by_instruction_set) = dspec_engine::cpu_blas::kernels_by_instruction_set() else {
+        return;
+    };
+    let Some(line) = openblas_kernels_line(None) else {
+        return;
+    };
+    assert!(
+        !line.contains(": set OPENBLAS_CORETYPE"),
+        "dspec left OpenBLAS on kernels for an older CPU: {line}"
+    );
+    if line.contains("dspec set") {
+        assert!(
+            line.starts_with(&format!("blas-kernels {by_instruction_set} (")),
+            "{line}"
+        );
+    }
+    // Every CPU with AVX runs OpenBLAS's Sandybridge kernels.
+    let chosen = openblas_kernels_line(Some("Sandybridge")).expect("still OpenBLAS");
+    assert_eq!(
+        chosen,
+        "blas-kernels Sandybridge (OPENBLAS_CORETYPE=Sandybridge)"
+    );
+}
+
 #[test]
 fn version_reports_dspec_mlx_and_device() {
     let out = dspec(&["--version"]);
     assert!(out.status.success());
     let text = stdout(&out);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 4, "{text}");
+    // A fifth line names OpenBLAS's kernels where the libmlx runs on OpenBLAS.
+    let with_openblas = text.contains("(CPU BLAS: openblas)");
+    assert_eq!(lines.len(), if with_openblas { 5 } else { 4 }, "{text}");
     assert_eq!(lines[0], format!("dspec {}", env!("CARGO_PKG_VERSION")));
     assert_eq!(lines[1], "mlx 0.32.2");
     // The device line names one of the backends, and the one this build runs on: this
