@@ -12,12 +12,8 @@ venv=target/mlx-lm-venv
 
 cargo build --release --locked -p dspec-engine >&2
 export DSPEC=target/release/dspec
-# Same OpenBLAS kernels for both: where dspec replaces the ones OpenBLAS took this CPU
-# for (engine/src/cpu_blas.rs), mlx-lm gets them too.
-coretype=$("$DSPEC" --version | sed -n 's/.*dspec set OPENBLAS_CORETYPE=\([A-Za-z0-9_]*\).*/\1/p')
-if [ -n "$coretype" ] && [ -z "${OPENBLAS_CORETYPE:-}" ]; then
-  export OPENBLAS_CORETYPE="$coretype"
-fi
+# Same OpenBLAS kernels for mlx-lm as dspec chooses for this CPU.
+eval "$(bash scripts/openblas-coretype.sh "$DSPEC")"
 [ -d "$model" ] || model=$(bash scripts/fetch-models.sh "$model")
 # Conversions made before dspec wrote Hugging Face shard names (shard-NNNNN): mlx-lm
 # finds weights only as model*.safetensors, so it reads them through a directory of links.

@@ -101,16 +101,17 @@ pub fn misidentified() -> Option<&'static str> {
 /// program again, with the same arguments and `OPENBLAS_CORETYPE` naming the kernels its
 /// instruction sets call for; returns only where nothing needs doing or the restart
 /// failed (which it reports). Call it first thing in `main`, before any thread starts.
-#[cfg(unix)]
 pub fn restart_on_the_cpu_s_kernels() {
     use std::os::unix::process::CommandExt;
     if std::env::var_os(CORETYPE).is_some() {
         return;
     }
-    let Some(kernels) = misidentified() else {
+    let Some(replaced) = loaded_kernels() else {
         return;
     };
-    let replaced = loaded_kernels().unwrap_or_default();
+    let Some(kernels) = correction(Some(&replaced), kernels_by_instruction_set()) else {
+        return;
+    };
     let error = match std::env::current_exe() {
         Ok(exe) => {
             let mut args = std::env::args_os();
@@ -134,9 +135,6 @@ pub fn restart_on_the_cpu_s_kernels() {
          differ from plain decoding. Set {CORETYPE}={kernels} before starting dspec."
     );
 }
-
-#[cfg(not(unix))]
-pub fn restart_on_the_cpu_s_kernels() {}
 
 /// The line of `dspec --version` about OpenBLAS's kernels, or `None` without OpenBLAS.
 pub fn report() -> Option<String> {

@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+use dspec_engine::cpu_blas;
 use dspec_engine::runtime::Backend;
 use dspec_engine::tiny_model::write_tiny_model;
 
@@ -58,8 +59,8 @@ fn openblas_kernels_line(coretype: Option<&str>) -> Option<String> {
     let mut command = Command::new(env!("CARGO_BIN_EXE_dspec"));
     command.arg("--version");
     match coretype {
-        Some(name) => command.env("OPENBLAS_CORETYPE", name),
-        None => command.env_remove("OPENBLAS_CORETYPE"),
+        Some(name) => command.env(cpu_blas::CORETYPE, name),
+        None => command.env_remove(cpu_blas::CORETYPE),
     };
     let out = command.output().expect("run dspec");
     assert!(out.status.success(), "{}", stderr(&out));
@@ -75,7 +76,7 @@ fn openblas_kernels_line(coretype: Option<&str>) -> Option<String> {
 /// `OPENBLAS_CORETYPE` is kept as given.
 #[test]
 fn dspec_runs_openblas_kernels_for_this_cpu() {
-    let Some(by_instruction_set) = dspec_engine::cpu_blas::kernels_by_instruction_set() else {
+    let Some(by_instruction_set) = cpu_blas::kernels_by_instruction_set() else {
         return;
     };
     let Some(line) = openblas_kernels_line(None) else {
