@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with two GPUs (nvidia-h200-x2; carry .gpu/bench with dspec.xz, tokenizer.json.xz,
 # qwen7b/ and qwen05/, plus the CUDA libmlx files .gpu/setup.sh installs): random weights of the
-# Qwen2.5-7B shape, one GPU against two ranks (one per GPU) through MLX's NCCL backend, in the
+# Qwen2.5-7B shape (0.5B for the draft model), one GPU against two ranks (one per GPU) through MLX's NCCL backend, in the
 # same run: plain greedy and n-gram tokens must be equal, and decode tok/s of each.
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 and the device notes' others).
 # Usage: OUT=DIR bash scripts/gpu-tp-2gpu.sh
@@ -10,8 +10,16 @@ OUT=${OUT:-/tmp/gpu-tp-2gpu}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 eval "$(bash .gpu/setup.sh)"
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
-bash scripts/gpu-random-models.sh qwen7b qwen05
-T=/tmp/models-random/qwen7b
+# Output projections scaled down (random_weights.py --residual-scale): random weights
+# otherwise leave near-ties at most positions, where the two ranks' all-reduced sums,
+# rounded in another order than one GPU's product, may pick the other token.
+for n in qwen7b qwen05; do
+  if [ ! -d /tmp/models-tp/$n ]; then
+    xz -dc .gpu/bench/tokenizer.json.xz > .gpu/bench/$n/tokenizer.json
+    python3 scripts/random_weights.py .gpu/bench/$n /tmp/models-tp/$n --residual-scale 1e-5 | tail -1
+  fi
+done
+T=/tmp/models-tp/qwen7b
 P="Write a Python function that parses a CSV file of sales records and returns the total per region, with tests."
 summary() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); s=d["stats"]; print(sys.argv[2], round(s["decode_tokens_per_second"],1), "tok/s", s["generated_tokens"], "tokens", "tokens_sha", __import__("hashlib").sha1(str(d["tokens"]).encode()).hexdigest()[:12])' "$@"; }
 one() { CUDA_VISIBLE_DEVICES=0 /tmp/dspec generate --target $T --prompt "$P" --max-tokens 256 --seed 1 --json "$@" 2>>$OUT/stderr.txt; }
@@ -31,6 +39,6 @@ for i in 1 2 3; do
 done
 one --drafter ngram --max-draft 4 > $OUT/one-ngram.json; summary $OUT/one-ngram.json "1 GPU ngram:"
 two --drafter ngram --max-draft 4 > $OUT/two-ngram.json; summary $OUT/two-ngram.json "2 GPUs ngram:"
-one --drafter model:/tmp/models-random/qwen05 --max-draft 4 > $OUT/one-dm.json; summary $OUT/one-dm.json "1 GPU draft model:"
-two --drafter model:/tmp/models-random/qwen05 --max-draft 4 > $OUT/two-dm.json; summary $OUT/two-dm.json "2 GPUs draft model:"
+one --drafter model:/tmp/models-tp/qwen05 --max-draft 4 > $OUT/one-dm.json; summary $OUT/one-dm.json "1 GPU draft model:"
+two --drafter model:/tmp/models-tp/qwen05 --max-draft 4 > $OUT/two-dm.json; summary $OUT/two-dm.json "2 GPUs draft model:"
 tail -5 $OUT/stderr.txt $OUT/stderr-rank1.txt

@@ -335,16 +335,17 @@ impl Attention {
 
     /// Whether this layer's short forwards (attention and products) go through dspec's
     /// CUDA kernels: see [`crate::cuda::wanted`].
-    pub fn use_short_kernels(&mut self, on: bool) {
+    pub fn use_short_kernels(&mut self, on: bool) -> Result<()> {
         self.short_kernels = on;
-        self.o.use_short_kernels(on);
+        self.o.use_short_kernels(on)?;
         match &mut self.projections {
             Projections::Separate { q, k, v } => {
-                q.use_short_kernels(on);
-                k.use_short_kernels(on);
+                q.use_short_kernels(on)?;
+                k.use_short_kernels(on)?;
                 if let Some(v) = v {
-                    v.use_short_kernels(on);
+                    v.use_short_kernels(on)?;
                 }
+                Ok(())
             }
             Projections::Fused { qkv, .. } => qkv.use_short_kernels(on),
         }

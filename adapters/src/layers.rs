@@ -240,8 +240,15 @@ impl DenseProduct {
         }
     }
 
-    fn use_short_kernels(&mut self, on: bool) {
+    /// The view is evaluated here, on the loading thread: a model may move to a thread of
+    /// its own (a draft model does), and MLX evaluates an array only on the thread whose
+    /// stream made it.
+    fn use_short_kernels(&mut self, on: bool) -> Result<()> {
         self.for_kernels = (on && crate::cuda::available(self.dtype())).then(|| self.weight());
+        if let Some(weight) = &self.for_kernels {
+            weight.eval()?;
+        }
+        Ok(())
     }
 
     fn copy_pending(&self) -> bool {
@@ -405,9 +412,10 @@ pub enum Split<'a> {
 impl Linear {
     /// Whether products of a few rows go through dspec's CUDA kernel ([`crate::cuda`]);
     /// off until the model turns it on.
-    pub fn use_short_kernels(&mut self, on: bool) {
-        if let LinearWeight::Dense(d) = &mut self.weight {
-            d.use_short_kernels(on);
+    pub fn use_short_kernels(&mut self, on: bool) -> Result<()> {
+        match &mut self.weight {
+            LinearWeight::Dense(d) => d.use_short_kernels(on),
+            _ => Ok(()),
         }
     }
 
@@ -715,9 +723,10 @@ enum Table {
 
 impl Embedding {
     /// Whether a tied head's products of a few rows go through dspec's CUDA kernel.
-    pub fn use_short_kernels(&mut self, on: bool) {
-        if let Table::Dense(d) = &mut self.table {
-            d.use_short_kernels(on);
+    pub fn use_short_kernels(&mut self, on: bool) -> Result<()> {
+        match &mut self.table {
+            Table::Dense(d) => d.use_short_kernels(on),
+            _ => Ok(()),
         }
     }
 
@@ -1029,15 +1038,15 @@ enum GateUp {
 impl GatedMlp {
     /// Whether products of a few rows go through dspec's CUDA kernel ([`crate::cuda`]);
     /// off until the model turns it on.
-    pub fn use_short_kernels(&mut self, on: bool) {
+    pub fn use_short_kernels(&mut self, on: bool) -> Result<()> {
         match &mut self.gate_up {
             GateUp::Separate { gate, up } => {
-                gate.use_short_kernels(on);
-                up.use_short_kernels(on);
+                gate.use_short_kernels(on)?;
+                up.use_short_kernels(on)?;
             }
-            GateUp::Fused { both, .. } => both.use_short_kernels(on),
+            GateUp::Fused { both, .. } => both.use_short_kernels(on)?,
         }
-        self.down.use_short_kernels(on);
+        self.down.use_short_kernels(on)
     }
 
     pub fn load(

@@ -132,9 +132,9 @@ impl DecoderLayer {
     }
 
     /// Whether this layer's short forwards go through dspec's CUDA kernels.
-    pub fn use_short_kernels(&mut self, on: bool) {
-        self.attn.use_short_kernels(on);
-        self.mlp.use_short_kernels(on);
+    pub fn use_short_kernels(&mut self, on: bool) -> Result<()> {
+        self.attn.use_short_kernels(on)?;
+        self.mlp.use_short_kernels(on)
     }
 
     /// `x`: `[1, L, hidden]` after what `cache` holds; `mask` as for [`Attention::forward`].
@@ -304,7 +304,7 @@ impl Decoder {
             )?);
         }
         for layer in &mut layers {
-            layer.use_short_kernels(kernels);
+            layer.use_short_kernels(kernels)?;
         }
         let norm = RmsNorm::load(w, &format!("{p}norm.weight"), h, eps, style)?;
         // Some checkpoints ship an lm_head even when tied; an untied config requires one.
@@ -313,9 +313,9 @@ impl Decoder {
         } else {
             Some(Linear::load(w, "lm_head", h, spec.vocab_size, false)?)
         };
-        embed.use_short_kernels(kernels);
+        embed.use_short_kernels(kernels)?;
         if let Some(head) = &mut lm_head {
-            head.use_short_kernels(kernels);
+            head.use_short_kernels(kernels)?;
         }
 
         let info = ModelInfo {
@@ -590,7 +590,7 @@ mod tests {
         }
     }
 
-    /// A verify of a few positions in bf16 (on CUDA through dspec's kernels, a tiny model
+    /// A verify of 5 or 14 positions in bf16 (on CUDA through dspec's kernels, a tiny model
     /// being one they pay for; elsewhere through MLX) gives the logits of decoding the same
     /// tokens one by one within bf16 rounding, with and without a sliding window that cuts
     /// into the continuation, for head sizes the kernels take.
@@ -610,15 +610,18 @@ mod tests {
                 ..LoadOptions::default()
             };
             let model = load_dir(dir.path(), &options).expect("load");
-            let decoded = continuation_logits(model.as_ref(), &tokens, 12, true);
-            let verified = continuation_logits(model.as_ref(), &tokens, 12, false);
-            assert_eq!(decoded.len(), 5 * 97);
-            let largest = decoded.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let worst = largest_difference(&decoded, &verified);
-            assert!(
-                worst <= 0.03 * largest,
-                "{overrides}: logits differ by {worst} (largest {largest})"
-            );
+            // 5 positions, and 14 (the kernels' second tile of rows).
+            for cached in [12, 3] {
+                let decoded = continuation_logits(model.as_ref(), &tokens, cached, true);
+                let verified = continuation_logits(model.as_ref(), &tokens, cached, false);
+                assert_eq!(decoded.len(), (tokens.len() - cached) * 97);
+                let largest = decoded.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let worst = largest_difference(&decoded, &verified);
+                assert!(
+                    worst <= 0.03 * largest,
+                    "{overrides}, {cached} cached: logits differ by {worst} (largest {largest})"
+                );
+            }
         }
     }
 

@@ -104,7 +104,7 @@ const SOURCE: &str = r#"
 
 thread_local! {
     static KERNEL: Kernel =
-        Kernel::new("dspec_short_attention", &["q", "k", "v"], SOURCE, false);
+        Kernel::new("dspec_short_attention", &["q", "k", "v"], "", SOURCE, false);
 }
 
 /// Whether [`attend`] serves a layer of this shape here (no score softcapping, a head
@@ -162,8 +162,8 @@ mod tests {
     /// On a CUDA machine (the test binary run with MLX's CUDA libmlx; elsewhere it
     /// checks that the kernel is not used): each position of a call is MLX's attention
     /// of that position alone within bf16 rounding, with and without a sliding window,
-    /// for head sizes 64, 128 and 256, grouped KV heads, and keys read from a longer
-    /// buffer (a slice, as the cache hands them over).
+    /// for head sizes 64, 128 and 256, grouped KV heads, keys read from a longer buffer
+    /// (a slice, as the cache hands them over), and the most positions a call takes.
     #[test]
     fn positions_attend_like_mlx() {
         if !available(Dtype::Bfloat16) {
@@ -176,13 +176,14 @@ mod tests {
         );
         assert!(!serves(96, Dtype::Bfloat16, false));
         let cases = [
-            (128, None, 300),
-            (64, None, 1500),
-            (128, Some(100), 300),
-            (256, None, 40),
+            (128, None, 300, 5),
+            (64, None, 1500, 5),
+            (128, Some(100), 300, 5),
+            (256, None, 40, 5),
+            (128, None, 300, crate::cuda::MAX_ROWS),
         ];
-        for (head_dim, window, total) in cases {
-            let (heads, kv_heads, rows) = (12, 2, 5);
+        for (head_dim, window, total, rows) in cases {
+            let (heads, kv_heads) = (12, 2);
             let buffer = |seed| normal(&[1, kv_heads, total + 64, head_dim], seed);
             let (k, v) = (buffer(1), buffer(2));
             let (k, v) = (

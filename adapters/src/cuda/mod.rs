@@ -10,9 +10,8 @@
 //! H100) paid that on every layer of every verify. These kernels are plain kernel nodes,
 //! compiled once per process by NVRTC through MLX's `fast::cuda_kernel`.
 //!
-//! They pay where a decode step is host-bound: their products run on CUDA cores, which
-//! a model whose weights take the device longer to read than the host takes to queue a
-//! step cannot afford (see [`wanted`]).
+//! They pay where a decode step is host-bound. Where the device is the bottleneck,
+//! cuBLASLt's products still read the weights a little faster (see [`wanted`]).
 //!
 //! They round differently from MLX's one-row kernels, as cuBLASLt and cuDNN do: greedy
 //! output stays plain decoding's up to near-ties (docs/verify-numerics.md), and
@@ -39,15 +38,14 @@ use mlx_rs::{Array, Dtype, Stream};
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_runtime::Backend;
 
-/// Most positions the kernels take in one call. A product's cost on CUDA cores grows
-/// with its rows (tensor-core libraries do not pay that), so past a few rows cuBLASLt's
-/// per-call cost is the smaller one.
-pub const MAX_ROWS: i32 = 8;
+/// Most positions the kernels take in one call: two tensor-core products' worth of rows
+/// ([`product`]), as many as `--max-draft auto:15` verifies.
+pub const MAX_ROWS: i32 = 16;
 
 /// Bytes of weights a decode step reads up to which a model's short continuations go
 /// through the kernels (on an H100, about what the device reads in the time the host
-/// takes to queue a step, with the kernels' products at half of cuBLASLt's speed):
-/// Qwen2.5-Coder-1.5B in bf16 (3.1 GB) gains from them, Qwen2.5-7B (14 GB) loses
+/// takes to queue a step): Qwen2.5-Coder-1.5B in bf16 (3.1 GB) gains from them,
+/// Qwen2.5-7B (14 GB), whose verify is bound by the device, loses a little
 /// (docs/benchmarks.md, "dspec's CUDA kernels").
 pub const HOST_BOUND_WEIGHT_BYTES: f64 = 5e9;
 
@@ -161,7 +159,14 @@ fn c_string(s: &str) -> CString {
 impl Kernel {
     /// `row_contiguous`: MLX copies inputs that are not (a body that indexes them
     /// densely needs it; one that reads `_strides` does not).
-    fn new(name: &str, inputs: &[&str], source: &str, row_contiguous: bool) -> Kernel {
+    /// `header`: code placed before the kernel, outside its body (device functions).
+    fn new(
+        name: &str,
+        inputs: &[&str],
+        header: &str,
+        source: &str,
+        row_contiguous: bool,
+    ) -> Kernel {
         let strings = |names: &[&str]| {
             // SAFETY: a fresh vector; mlx-c copies each name in.
             unsafe {
@@ -174,7 +179,7 @@ impl Kernel {
             }
         };
         let (inputs, outputs) = (strings(inputs), strings(&["out"]));
-        let (name, source, header) = (c_string(name), c_string(source), c_string(""));
+        let (name, source, header) = (c_string(name), c_string(source), c_string(header));
         // SAFETY: all arguments are valid for the call; mlx-c copies what it keeps.
         unsafe {
             let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
