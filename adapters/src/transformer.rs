@@ -625,6 +625,33 @@ mod tests {
         }
     }
 
+    /// A model loaded on one thread verifies on another (a draft model moves to a thread
+    /// of its own): nothing a verify reads, the weights' views for dspec's kernels
+    /// included where they run, is left unevaluated on the loading thread, whose streams
+    /// MLX does not run elsewhere.
+    #[test]
+    fn a_model_loaded_on_one_thread_verifies_on_another() {
+        let tokens: Vec<u32> = (0..17).map(|i| (i * 29 + 7) % 97).collect();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = with(TINY_LLAMA, r#"{"head_dim": 64}"#);
+        write_random_model(dir.path(), &config, 5, None).expect("fixture");
+        let options = LoadOptions {
+            dtype: Some(Dtype::Bfloat16),
+            verify_kernels: true,
+            ..LoadOptions::default()
+        };
+        let model = load_dir(dir.path(), &options).expect("load");
+        let (decoded, verified) = std::thread::spawn(move || {
+            let verified = continuation_logits(model.as_ref(), &tokens, 12, false);
+            let decoded = continuation_logits(model.as_ref(), &tokens, 12, true);
+            (decoded, verified)
+        })
+        .join()
+        .expect("the verify on the other thread failed");
+        let largest = decoded.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(largest_difference(&decoded, &verified) <= 0.03 * largest);
+    }
+
     /// What a decode step reads, from the spec: Qwen2.5-Coder-1.5B's shapes in bf16 come
     /// to its 3.1 GB (tied head read whole, embedding gathered), under the size up to which
     /// the CUDA kernels pay; Qwen2.5-7B's 14 GB are over it.
