@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with two GPUs (nvidia-h200-x2; carry .gpu/bench with dspec.xz, tokenizer.json.xz,
 # qwen7b/ and qwen05/, plus the CUDA libmlx files .gpu/setup.sh installs): random weights of the
-# Qwen2.5-7B shape (0.5B for the draft model), one GPU against two ranks (one per GPU) through MLX's NCCL backend, in the
-# same run: plain greedy and n-gram tokens must be equal, and decode tok/s of each.
+# Qwen2.5-7B shape (0.5B for the draft model), one GPU against two ranks (one per GPU)
+# through MLX's NCCL backend, in the same run: plain greedy, n-gram and draft-model tokens
+# must be equal, and decode tok/s of each.
 # NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 and the device notes' others).
 # Usage: OUT=DIR bash scripts/gpu-tp-2gpu.sh
 set -uo pipefail
@@ -41,4 +42,4 @@ one --drafter ngram --max-draft 4 > $OUT/one-ngram.json; summary $OUT/one-ngram.
 two --drafter ngram --max-draft 4 > $OUT/two-ngram.json; summary $OUT/two-ngram.json "2 GPUs ngram:"
 one --drafter model:/tmp/models-tp/qwen05 --max-draft 4 > $OUT/one-dm.json; summary $OUT/one-dm.json "1 GPU draft model:"
 two --drafter model:/tmp/models-tp/qwen05 --max-draft 4 > $OUT/two-dm.json; summary $OUT/two-dm.json "2 GPUs draft model:"
-tail -5 $OUT/stderr.txt $OUT/stderr-rank1.txt
+tail -n 5 $OUT/stderr.txt $OUT/stderr-rank1.txt
