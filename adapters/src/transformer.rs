@@ -625,10 +625,10 @@ mod tests {
         }
     }
 
-    /// A model loaded on one thread verifies on another (a draft model moves to a thread
-    /// of its own): nothing a verify reads, the weights' views for dspec's kernels
-    /// included where they run, is left unevaluated on the loading thread, whose streams
-    /// MLX does not run elsewhere.
+    /// A model loaded on one thread and run there once, as a draft model is before it
+    /// moves to a thread of its own, verifies on that other thread: nothing a verify
+    /// reads, the weights' views for dspec's kernels included where they run, is left
+    /// unevaluated on the loading thread, whose streams MLX does not run elsewhere.
     #[test]
     fn a_model_loaded_on_one_thread_verifies_on_another() {
         let tokens: Vec<u32> = (0..17).map(|i| (i * 29 + 7) % 97).collect();
@@ -641,6 +641,13 @@ mod tests {
             ..LoadOptions::default()
         };
         let model = load_dir(dir.path(), &options).expect("load");
+        let mut cache = model.new_cache();
+        let first = Array::from_slice(&tokens[..1], &[1, 1]);
+        let logits = model
+            .forward(&first, &mut cache, &[])
+            .expect("a step")
+            .logits;
+        logits.eval().expect("a step");
         let (decoded, verified) = std::thread::spawn(move || {
             let verified = continuation_logits(model.as_ref(), &tokens, 12, false);
             let decoded = continuation_logits(model.as_ref(), &tokens, 12, true);
