@@ -155,6 +155,19 @@ pub fn reserve_for_generation(cache: &mut ModelCache, positions: usize) {
     }
 }
 
+/// Whether a short continuation after the cache (a verify: `len` positions after `offset`
+/// cached ones, under a causal or window mask) attends one position at a time, each as a
+/// one-token step does, though its products take every position at once: on the CPU,
+/// where MLX's attention of several queries rounds each query apart from a one-query call
+/// (its scores span the whole call's keys, the later ones masked out), which left a
+/// verify's logits a few bits off one-token decoding's. A call per position costs host
+/// time that a CPU step barely notices and that would be most of a GPU verify.
+pub fn attends_position_by_position(offset: i32, len: i32, mask: &Mask) -> bool {
+    matches!(mask, Mask::Causal | Mask::Keys(_))
+        && is_short_continuation(offset, len)
+        && Backend::current() == Backend::Cpu
+}
+
 /// A forward of `len` positions after `offset` cached ones that may attend over the
 /// whole cache buffer.
 pub fn is_short_continuation(offset: i32, len: i32) -> bool {
@@ -502,11 +515,12 @@ impl Attention {
             return self.o.forward(&gated(out, gate)?);
         }
 
-        let out = if rows {
-            // One call per position: MLX's CUDA attention (0.32.2) computes several causal
-            // queries differently from one (scripts/gpu_rowwise_check.py shows it). The
-            // last position sees every key: its keys and values need no slice (a graph
-            // node is host time on a GPU).
+        let out = if rows || attends_position_by_position(offset, len, mask) {
+            // One call per position, each as a one-token step makes it: MLX's attention
+            // computes several causal queries differently from one, on CUDA (0.32.2,
+            // scripts/gpu_rowwise_check.py shows it) and on the CPU. The last position
+            // sees every key: its keys and values need no slice (a graph node is host time
+            // on a GPU).
             let upto = |a: &Array, row: i32| match row + 1 {
                 r if r == len => Ok(a.clone()),
                 r => seq_slice(a, 0, offset + r),

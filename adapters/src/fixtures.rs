@@ -193,3 +193,12 @@ pub fn check_family(config_json: &str) {
             .unwrap_or_else(|e| panic!("{what}: {e}"));
     }
 }
+
+/// Rows up to which the BLAS kernels this process runs give each row of an f32 product
+/// the bits of its one-row product: every row count a verify takes, except on the kernel
+/// sets for which a probe found a lower limit (`dspec_runtime::blas::rows_summed_alike`).
+pub fn rows_summed_alike_here() -> i32 {
+    dspec_runtime::blas::loaded_kernels()
+        .and_then(|kernels| dspec_runtime::blas::rows_summed_alike(&kernels))
+        .unwrap_or(i32::MAX)
+}

@@ -509,6 +509,7 @@ mod tests {
     use dspec_plugin_api::{LoadOptions, TargetModel};
 
     use crate::fixtures::{load_dir, with, write_random_model, TINY_LLAMA};
+    use dspec_runtime::Backend;
 
     /// The largest absolute difference between two equally long runs of logits.
     fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
@@ -547,6 +548,49 @@ mod tests {
             out.extend_from_slice(logits.as_slice::<f32>());
         }
         out
+    }
+
+    /// The batched verify's promise on the CPU in f32: a verify's logits are bitwise those
+    /// of decoding the same tokens one by one, at every width a verify takes, for plain
+    /// attention, q/k/v biases, a sliding window, and windows plus score softcapping (the
+    /// products agree across row counts, and attention runs position by position: see
+    /// `attends_position_by_position`). Widths past what the BLAS kernels here sum alike
+    /// (`rows_summed_alike_here`) are left out.
+    #[test]
+    fn batched_f32_verifies_are_bitwise_one_token_decoding_on_the_cpu() {
+        assert_eq!(Backend::current(), Backend::Cpu, "the tests run on the CPU");
+        let tokens: Vec<u32> = (0..40).map(|i| (i * 31 + 5) % 97).collect();
+        let shape = r#""hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64"#;
+        let alike = crate::fixtures::rows_summed_alike_here();
+        for family in [
+            r#""model_type": "llama""#,
+            r#""model_type": "qwen2""#,
+            r#""model_type": "mistral", "sliding_window": 7"#,
+            r#""model_type": "gemma2", "query_pre_attn_scalar": 64, "sliding_window": 5,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                "hidden_activation": "gelu_pytorch_tanh""#,
+        ] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let config = with(TINY_LLAMA, &format!("{{{shape}, {family}}}"));
+            write_random_model(dir.path(), &config, 3, None).expect("fixture");
+            let options = LoadOptions {
+                dtype: Some(Dtype::Float32),
+                ..LoadOptions::default()
+            };
+            let model = load_dir(dir.path(), &options).expect("load");
+            for width in [2, 3, 5, 16, 32].into_iter().filter(|&w| w <= alike) {
+                let cached = tokens.len() - width as usize;
+                let decoded = continuation_logits(model.as_ref(), &tokens, cached, true);
+                let verified = continuation_logits(model.as_ref(), &tokens, cached, false);
+                let differing = decoded
+                    .iter()
+                    .zip(&verified)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(differing, 0, "{family}, {width} positions: logits differ");
+            }
+        }
     }
 
     /// The row layout's promise: a verify's logits are bitwise those of decoding the same

@@ -13,7 +13,7 @@
 //! OpenBLAS reads `OPENBLAS_CORETYPE` only as it loads, which is before `main`: the
 //! command line starts itself again with it set ([`restart_on_the_cpu_s_kernels`]).
 
-use std::ffi::{c_char, CStr, OsString};
+use std::ffi::OsString;
 
 /// The variable OpenBLAS reads its kernels' name from.
 pub const CORETYPE: &str = "OPENBLAS_CORETYPE";
@@ -42,22 +42,7 @@ const WITHOUT_AVX: &[&str] = &[
     "Nano",
 ];
 
-/// The name of the kernels the loaded OpenBLAS runs (`openblas_get_corename`), or `None`
-/// where the process has no OpenBLAS (the MLX wheel's reference BLAS, Accelerate).
-pub fn loaded_kernels() -> Option<String> {
-    // SAFETY: dlsym on the global scope with a NUL-terminated name; the symbol, where
-    // present, is OpenBLAS's `char *openblas_get_corename(void)`, which returns a static
-    // string.
-    unsafe {
-        let symbol = libc::dlsym(libc::RTLD_DEFAULT, c"openblas_get_corename".as_ptr());
-        if symbol.is_null() {
-            return None;
-        }
-        let corename: extern "C" fn() -> *const c_char = std::mem::transmute(symbol);
-        let name = corename();
-        (!name.is_null()).then(|| CStr::from_ptr(name).to_string_lossy().into_owned())
-    }
-}
+pub use dspec_runtime::blas::loaded_kernels;
 
 /// OpenBLAS's kernels for this CPU by its instruction sets, as OpenBLAS 0.3.25 and later
 /// pick them for a CPU they do not know: AVX-512 (with VL) SkylakeX, AVX2 Haswell, AVX

@@ -1,11 +1,12 @@
 //! How dspec runs on MLX, below the plugin contract: which backend this process computes
-//! on, slicing that builds one graph node, for the hot path of decoding, and MLX's
-//! distributed groups and collectives.
+//! on (and, on the CPU, which BLAS kernels), slicing that builds one graph node, for the
+//! hot path of decoding, and MLX's distributed groups and collectives.
 //!
 //! The KV cache of `dspec-plugin-api` and the built-in layers of `dspec-adapters` both
 //! build on these; neither is part of what a plugin must implement or call.
 
 pub mod backend;
+pub mod blas;
 pub mod distributed;
 pub mod host_transpose;
 pub mod slicing;
