@@ -519,6 +519,14 @@ mod tests {
             .fold(0.0f32, f32::max)
     }
 
+    /// How many of `a` and `b`'s values differ in any bit.
+    fn differing_bits(a: &[f32], b: &[f32]) -> usize {
+        a.iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count()
+    }
+
     /// Logits of `tokens[prefix..]` after a `prefix`-token prefill, run either one token
     /// at a time (plain decoding) or as one continuation (a speculative verify).
     fn continuation_logits(
@@ -583,11 +591,7 @@ mod tests {
                 let cached = tokens.len() - width as usize;
                 let decoded = continuation_logits(model.as_ref(), &tokens, cached, true);
                 let verified = continuation_logits(model.as_ref(), &tokens, cached, false);
-                let differing = decoded
-                    .iter()
-                    .zip(&verified)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let differing = differing_bits(&decoded, &verified);
                 assert_eq!(differing, 0, "{family}, {width} positions: logits differ");
             }
         }
@@ -624,11 +628,7 @@ mod tests {
                 let decoded = continuation_logits(model.as_ref(), &tokens, 6, true);
                 let verified = continuation_logits(model.as_ref(), &tokens, 6, false);
                 assert_eq!(decoded.len(), 8 * 97);
-                let differing = decoded
-                    .iter()
-                    .zip(&verified)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits())
-                    .count();
+                let differing = differing_bits(&decoded, &verified);
                 assert_eq!(differing, 0, "{name} {dtype:?}: {differing} logits differ");
             }
         }

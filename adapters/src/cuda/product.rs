@@ -39,22 +39,18 @@ const WARPS_WANTED: i32 = 2048;
 /// The tensor-core product for each 16-bit float type MLX hands the kernel as `T`.
 const HEADER: &str = r#"
 template <typename T> struct DspecMma;
-template <> struct DspecMma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <> struct DspecMma<__half> {
-    static __device__ __forceinline__ void run(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
+#define DSPEC_MMA(TYPE, PTX)                                                                   \
+    template <> struct DspecMma<TYPE> {                                                        \
+        static __device__ __forceinline__ void run(float* d, const unsigned* a, unsigned b0, unsigned b1) { \
+            asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "                   \
+                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                        \
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                               \
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));               \
+        }                                                                                      \
+    };
+DSPEC_MMA(__nv_bfloat16, "bf16")
+DSPEC_MMA(__half, "f16")
+#undef DSPEC_MMA
 "#;
 
 const SOURCE: &str = r#"
