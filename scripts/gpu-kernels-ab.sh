@@ -21,13 +21,8 @@ OUT=${OUT:-/tmp/gpu-kernels-ab}; mkdir -p "$OUT"
 eval "$(bash .gpu/setup.sh)"
 xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
 target=${1:-qwen15}
+RESIDUAL_SCALE=1e-5 bash scripts/gpu-random-models.sh "$target" qwen05
 models=/tmp/models-scaled
-for n in "$target" qwen05; do
-  if [ ! -d "$models/$n" ]; then
-    xz -dc .gpu/bench/tokenizer.json.xz > ".gpu/bench/$n/tokenizer.json"
-    python3 scripts/random_weights.py ".gpu/bench/$n" "$models/$n" --residual-scale 1e-5 2>/dev/null | tail -1
-  fi
-done
 T=$models/$target
 P="Write a Python function that returns the n-th Fibonacci number iteratively."
 printf '{"prompt": "%s"}\n' "$P" > "$OUT/prompt.jsonl"
@@ -35,15 +30,7 @@ printf '{"prompt": "%s"}\n' "$P" > "$OUT/prompt.jsonl"
 
 bench_row() { # FILE LABEL: bench's report in one line
   python3 -c 'import json, sys
-def report(o):
-    if isinstance(o, dict):
-        if "speedup" in o and "tau" in o:
-            return o
-        for v in o.values():
-            r = report(v)
-            if r:
-                return r
-r = report(json.load(open(sys.argv[1])))
+r = json.load(open(sys.argv[1]))["report"]
 print(sys.argv[2], "plain", round(r["plain_tokens_per_second"], 1), "spec",
       round(r["speculative_tokens_per_second"], 1), "speedup", round(r["speedup"], 3),
       "tau", round(r["tau"], 2), "steps/round", round(r["tau"] / r["speedup"], 3),

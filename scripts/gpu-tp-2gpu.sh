@@ -14,13 +14,8 @@ xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec
 # Output projections scaled down (random_weights.py --residual-scale): random weights
 # otherwise leave near-ties at most positions, where the two ranks' all-reduced sums,
 # rounded in another order than one GPU's product, may pick the other token.
-for n in qwen7b qwen05; do
-  if [ ! -d /tmp/models-tp/$n ]; then
-    xz -dc .gpu/bench/tokenizer.json.xz > .gpu/bench/$n/tokenizer.json
-    python3 scripts/random_weights.py .gpu/bench/$n /tmp/models-tp/$n --residual-scale 1e-5 | tail -1
-  fi
-done
-T=/tmp/models-tp/qwen7b
+RESIDUAL_SCALE=1e-5 bash scripts/gpu-random-models.sh qwen7b qwen05
+T=/tmp/models-scaled/qwen7b
 P="Write a Python function that parses a CSV file of sales records and returns the total per region, with tests."
 summary() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); s=d["stats"]; print(sys.argv[2], round(s["decode_tokens_per_second"],1), "tok/s", s["generated_tokens"], "tokens", "tokens_sha", __import__("hashlib").sha1(str(d["tokens"]).encode()).hexdigest()[:12])' "$@"; }
 one() { CUDA_VISIBLE_DEVICES=0 /tmp/dspec generate --target $T --prompt "$P" --max-tokens 256 --seed 1 --json "$@" 2>>$OUT/stderr.txt; }
@@ -40,6 +35,6 @@ for i in 1 2 3; do
 done
 one --drafter ngram --max-draft 4 > $OUT/one-ngram.json; summary $OUT/one-ngram.json "1 GPU ngram:"
 two --drafter ngram --max-draft 4 > $OUT/two-ngram.json; summary $OUT/two-ngram.json "2 GPUs ngram:"
-one --drafter model:/tmp/models-tp/qwen05 --max-draft 4 > $OUT/one-dm.json; summary $OUT/one-dm.json "1 GPU draft model:"
-two --drafter model:/tmp/models-tp/qwen05 --max-draft 4 > $OUT/two-dm.json; summary $OUT/two-dm.json "2 GPUs draft model:"
+one --drafter model:/tmp/models-scaled/qwen05 --max-draft 4 > $OUT/one-dm.json; summary $OUT/one-dm.json "1 GPU draft model:"
+two --drafter model:/tmp/models-scaled/qwen05 --max-draft 4 > $OUT/two-dm.json; summary $OUT/two-dm.json "2 GPUs draft model:"
 tail -n 5 $OUT/stderr.txt $OUT/stderr-rank1.txt

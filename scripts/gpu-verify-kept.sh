@@ -19,11 +19,8 @@ printf '{"prompt": "%s"}\n' "$prompt" > /tmp/verify-kept-prompt.jsonl
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(qwen15 qwen7b)
 for n in "${shapes[@]}"; do
-  m=/tmp/models-kept/$n
-  if [ ! -d "$m" ]; then
-    xz -dc .gpu/bench/tokenizer.json.xz > ".gpu/bench/$n/tokenizer.json"
-    python3 scripts/random_weights.py ".gpu/bench/$n" "$m" --residual-scale 1e-5 | tail -1
-  fi
+  RESIDUAL_SCALE=1e-5 bash scripts/gpu-random-models.sh "$n"
+  m=/tmp/models-scaled/$n
   /tmp/dspec generate --target "$m" --prompt "$prompt" --max-tokens 256 --json > "$OUT/plain-$n.json"
   python3 -c 'import json, sys
 s = json.load(open(sys.argv[1]))["stats"]

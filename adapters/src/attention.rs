@@ -162,7 +162,7 @@ pub fn reserve_for_generation(cache: &mut ModelCache, positions: usize) {
 /// (its scores span the whole call's keys, the later ones masked out), which left a
 /// verify's logits a few bits off one-token decoding's. A call per position costs host
 /// time that a CPU step barely notices and that would be most of a GPU verify.
-pub fn attends_position_by_position(offset: i32, len: i32, mask: &Mask) -> bool {
+fn attends_position_by_position(offset: i32, len: i32, mask: &Mask) -> bool {
     matches!(mask, Mask::Causal | Mask::Keys(_))
         && is_short_continuation(offset, len)
         && Backend::current() == Backend::Cpu

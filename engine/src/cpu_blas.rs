@@ -42,7 +42,7 @@ const WITHOUT_AVX: &[&str] = &[
     "Nano",
 ];
 
-pub use dspec_runtime::blas::loaded_kernels;
+use dspec_runtime::blas::loaded_kernels;
 
 /// OpenBLAS's kernels for this CPU by its instruction sets, as OpenBLAS 0.3.25 and later
 /// pick them for a CPU they do not know: AVX-512 (with VL) SkylakeX, AVX2 Haswell, AVX

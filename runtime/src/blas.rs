@@ -33,17 +33,3 @@ pub fn rows_summed_alike(name: &str) -> Option<i32> {
         _ => None,
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Only the probed kernel sets have a limit, and one below a verify's rows.
-    #[test]
-    fn probed_kernels_have_their_limits() {
-        assert_eq!(rows_summed_alike("Zen"), Some(3));
-        assert_eq!(rows_summed_alike("Prescott"), Some(1));
-        assert_eq!(rows_summed_alike("SkylakeX"), None);
-        assert_eq!(rows_summed_alike("Sandybridge"), None);
-    }
-}
