@@ -9,8 +9,10 @@
 # greedy answers have wide margins and must not depend on the kernels.
 #   1. Every draft kept: `dspec bench --drafter replay:` the plain answer, at w = 4, 8, 16,
 #      with DSPEC_CUDA_KERNELS=1 and 0. bench runs plain and speculative decoding in one
-#      process (medians of the passes' own ratios); a round's cost in plain steps is
-#      tau / speedup.
+#      process (medians of the passes' own ratios); a whole round's cost in plain steps is
+#      tau / speedup. From bench's --trace, per pass, the median round queued ahead (its
+#      verify_ms: from the read of the round before to its own, drafting excluded) over
+#      the plain step of the plain run next to it; the median over passes.
 #   2. A draft model (qwen05's shape, on its own thread) under --max-draft auto, in bench,
 #      with and without the kernels.
 #   3. One-shot generations, passes alternating (kernels 1, then 0): plain, n-gram and the
@@ -28,19 +30,36 @@ P="Write a Python function that returns the n-th Fibonacci number iteratively."
 printf '{"prompt": "%s"}\n' "$P" > "$OUT/prompt.jsonl"
 /tmp/dspec generate --target "$T" --prompt "$P" --max-tokens 300 --json > "$OUT/answer.json" 2>> "$OUT/stderr.txt"
 
-bench_row() { # FILE LABEL: bench's report in one line
-  python3 -c 'import json, sys
+bench_row() { # FILE TRACE LABEL: bench's report in one line; from the trace, per pass the
+  # median round of the widest kind queued ahead over that pass's plain step (the plain run
+  # next to it), and the median of those ratios over the passes (one prompt)
+  python3 -c 'import json, statistics, sys
 r = json.load(open(sys.argv[1]))["report"]
-print(sys.argv[2], "plain", round(r["plain_tokens_per_second"], 1), "spec",
+runs = []
+for line in open(sys.argv[2]):
+    x = json.loads(line)
+    if x["round"] == 0:
+        runs.append([])
+    runs[-1].append(x)
+widest = max(len(x["drafted"]) for run in runs for x in run)
+ratios = []
+for run, plain in zip(runs, r["rows"][0]["plain_passes"]):
+    ahead = [x["verify_ms"] for x in run if x["queued_ahead"] and len(x["drafted"]) == widest]
+    if ahead:
+        ratios.append(statistics.median(ahead) * plain / 1e3)
+traced = "" if not ratios else "traced round %.3f steps (w %d, passes %s)" % (
+    statistics.median(ratios), widest + 1, " ".join("%.2f" % v for v in ratios))
+print(sys.argv[3], "plain", round(r["plain_tokens_per_second"], 1), "spec",
       round(r["speculative_tokens_per_second"], 1), "speedup", round(r["speedup"], 3),
-      "tau", round(r["tau"], 2), "steps/round", round(r["tau"] / r["speedup"], 3),
+      "tau", round(r["tau"], 2), "steps/round", round(r["tau"] / r["speedup"], 3), traced,
       "identical", r["all_identical"], "near_ties", r["near_ties"], "real", r["real_mismatches"])' "$@"
 }
 bench() { # NAME KERNELS ARGS...
   local name=$1 k=$2; shift 2
   DSPEC_CUDA_KERNELS=$k timeout 120 /tmp/dspec bench --target "$T" --prompts "$OUT/prompt.jsonl" \
-      --max-tokens 256 --prefill-runs 1 --json "$@" > "$OUT/bench-$name-k$k.json" 2>> "$OUT/stderr.txt" \
-    && bench_row "$OUT/bench-$name-k$k.json" "$target $name kernels=$k:" \
+      --max-tokens 256 --prefill-runs 1 --json --trace "$OUT/trace-$name-k$k.jsonl" "$@" \
+      > "$OUT/bench-$name-k$k.json" 2>> "$OUT/stderr.txt" \
+    && bench_row "$OUT/bench-$name-k$k.json" "$OUT/trace-$name-k$k.jsonl" "$target $name kernels=$k:" \
     || { echo "$name k=$k failed"; tail -3 "$OUT/stderr.txt"; }
 }
 for k in 1 0; do

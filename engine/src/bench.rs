@@ -11,6 +11,7 @@
 //! where a ratio of the two medians may set a fast plain pass against a slow speculative
 //! one.
 
+use std::io::Write;
 use std::time::Instant;
 
 use mlx_rs::ops::indexing::TryIndexOp;
@@ -218,13 +219,16 @@ pub struct BenchReport {
 /// short warm-up of each so neither side pays first-call costs inside its timing. The
 /// passes go over all prompts in turn, and alternate which of the two runs first, so a
 /// drift in the machine's speed falls on both alike. Prefill is measured first, so each
-/// prompt's first prefill is its first in the process.
+/// prompt's first prefill is its first in the process. `trace` receives one JSON line per
+/// round of the timed speculative runs (as `generate --trace` writes them), so that round
+/// costs can be set against the plain steps of the same process.
 pub fn run_bench(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
     drafter: &mut dyn Drafter,
     prompts: &[Vec<u32>],
     settings: &BenchSettings,
+    mut trace: Option<&mut dyn Write>,
 ) -> Result<BenchReport, EngineError> {
     let BenchSettings {
         max_tokens,
@@ -247,12 +251,15 @@ pub fn run_bench(
         stop_strings: Vec::new(),
         eos_ids: tokenizer.eos_token_ids().to_vec(),
     };
-    let speculative = |drafter: &mut dyn Drafter, prompt: &[u32], config: &GenerationConfig| {
+    let speculative = |drafter: &mut dyn Drafter,
+                       prompt: &[u32],
+                       config: &GenerationConfig,
+                       trace: Option<&mut dyn Write>| {
         let speculation = Speculation {
-            drafter,
+            drafter: &mut *drafter,
             max_draft,
             adaptive,
-            trace: None,
+            trace: trace.map(|t| t as &mut dyn Write),
             verify_ahead,
         };
         generate_speculative(model, tokenizer, prompt, config, speculation, &mut |_| {})
@@ -263,7 +270,7 @@ pub fn run_bench(
             ..config.clone()
         };
         generate(model, tokenizer, first, &warm, &mut |_| {})?;
-        speculative(&mut *drafter, first, &warm)?;
+        speculative(&mut *drafter, first, &warm, None)?;
     }
     let mut plain_runs: Vec<Vec<GenerationOutput>> = prompts.iter().map(|_| Vec::new()).collect();
     let mut spec_runs: Vec<Vec<SpeculativeOutput>> = prompts.iter().map(|_| Vec::new()).collect();
@@ -273,7 +280,12 @@ pub fn run_bench(
             if plain_first {
                 plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
             }
-            spec_runs[i].push(speculative(&mut *drafter, prompt, &config)?);
+            spec_runs[i].push(speculative(
+                &mut *drafter,
+                prompt,
+                &config,
+                trace.as_mut().map(|t| &mut **t as &mut dyn Write),
+            )?);
             if !plain_first {
                 plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
             }

@@ -744,7 +744,9 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
         err.contains("--prefill-lengths") && err.contains("4096"),
         "{err}"
     );
-    // --prefill-runs 0: no prefill measurement, no key; --passes sets the runs.
+    // --prefill-runs 0: no prefill measurement, no key; --passes sets the runs; --trace
+    // gets the timed speculative runs' rounds (not the warm-up's).
+    let trace = prompts_dir.path().join("rounds.jsonl");
     let out = dspec(&[
         "bench",
         "--target",
@@ -757,15 +759,29 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
         "0",
         "--passes",
         "2",
+        "--trace",
+        path_str(&trace),
         "--json",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert!(v["report"].get("prefill").is_none(), "{v}");
     assert_eq!(v["report"]["passes"], 2);
+    let mut forwards = 0;
     for row in v["report"]["rows"].as_array().expect("rows") {
         assert_eq!(row["speculative_passes"].as_array().map(Vec::len), Some(2));
+        forwards += row["drafting"]["target_forwards"]
+            .as_u64()
+            .expect("forwards");
     }
+    let rounds = std::fs::read_to_string(&trace).expect("trace written");
+    for line in rounds.lines() {
+        let round: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        assert!(round["verify_ms"].as_f64().is_some(), "{line}");
+    }
+    // The same rounds in both passes (greedy, a fixed draft length).
+    assert!(forwards > 0);
+    assert_eq!(rounds.lines().count() as u64, 2 * forwards, "{rounds}");
     let err = dspec_fails(&[
         "bench",
         "--target",

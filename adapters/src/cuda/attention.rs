@@ -104,7 +104,13 @@ const SOURCE: &str = r#"
 
 thread_local! {
     static KERNEL: Kernel =
-        Kernel::new("dspec_short_attention", &["q", "k", "v"], "", SOURCE, false);
+        Kernel::new("dspec_short_attention", &["q", "k", "v"], "", &body(), false);
+}
+
+/// The kernel's body with [`WARPS`] written in: it never varies, and every template
+/// argument is text MLX formats again at each call.
+fn body() -> String {
+    format!("    constexpr int WARPS = {WARPS};\n{SOURCE}")
 }
 
 /// Whether [`attend`] serves a layer of this shape here (no score softcapping, a head
@@ -135,7 +141,6 @@ pub fn attend(
                 block: WARPS * 32,
                 ints: &[
                     (c"D", head_dim),
-                    (c"WARPS", WARPS),
                     (c"WINDOW", window.unwrap_or(0)),
                     (c"SCALE_BITS", scale.to_bits() as i32),
                 ],

@@ -30,6 +30,9 @@ pub mod attention;
 pub mod product;
 
 use std::ffi::{CStr, CString};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::thread::JoinHandle;
 
@@ -160,6 +163,7 @@ impl Kernel {
     /// `row_contiguous`: MLX copies inputs that are not (a body that indexes them
     /// densely needs it; one that reads `_strides` does not).
     /// `header`: code placed before the kernel, outside its body (device functions).
+    /// Both reach MLX as [`included`] makes them.
     fn new(
         name: &str,
         inputs: &[&str],
@@ -167,6 +171,8 @@ impl Kernel {
         source: &str,
         row_contiguous: bool,
     ) -> Kernel {
+        let header = included(header, "", &cache_dir());
+        let source = included(source, &shape_parameters(source, inputs), &cache_dir());
         let strings = |names: &[&str]| {
             // SAFETY: a fresh vector; mlx-c copies each name in.
             unsafe {
@@ -179,7 +185,7 @@ impl Kernel {
             }
         };
         let (inputs, outputs) = (strings(inputs), strings(&["out"]));
-        let (name, source, header) = (c_string(name), c_string(source), c_string(header));
+        let (name, source, header) = (c_string(name), c_string(&source), c_string(&header));
         // SAFETY: all arguments are valid for the call; mlx-c copies what it keeps.
         unsafe {
             let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
@@ -203,6 +209,74 @@ impl Drop for Kernel {
         // SAFETY: made by `mlx_fast_cuda_kernel_new`, freed once.
         unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.0) };
     }
+}
+
+/// The parameters MLX adds to a kernel's signature for the inputs whose `_shape`,
+/// `_strides` or `_ndim` the body mentions, named in a comment (MLX looks for the names
+/// in the source it is given).
+fn shape_parameters(source: &str, inputs: &[&str]) -> String {
+    let used: Vec<String> = inputs
+        .iter()
+        .flat_map(|input| ["_shape", "_strides", "_ndim"].map(|suffix| format!("{input}{suffix}")))
+        .filter(|parameter| source.contains(parameter.as_str()))
+        .collect();
+    match used.is_empty() {
+        true => String::new(),
+        false => format!("// reads {}\n", used.join(" ")),
+    }
+}
+
+/// Where kernel texts are written for NVRTC to include: `$XDG_CACHE_HOME/dspec/cuda`,
+/// else `~/.cache/dspec/cuda`; `None` where neither is set.
+fn cache_dir() -> Option<PathBuf> {
+    let nonempty = |v: std::ffi::OsString| (!v.is_empty()).then_some(v);
+    std::env::var_os("XDG_CACHE_HOME")
+        .and_then(nonempty)
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .and_then(nonempty)
+                .map(|h| PathBuf::from(h).join(".cache"))
+        })
+        .map(|cache| cache.join("dspec").join("cuda"))
+}
+
+/// What MLX is handed for one piece of a kernel's text (its header or its body).
+///
+/// MLX 0.32.2 pastes a custom kernel's whole text into a new source at every call and
+/// hashes that source at every evaluation (`mlx/backend/cuda/custom_kernel.cpp`): host
+/// time that grows with the text, paid by every product and attention of every verify
+/// (docs/benchmarks.md has the measurement). So the text is written once, to a file
+/// under `dir` named by its content, and MLX gets a one-line `#include` of it (NVRTC
+/// opens absolute include paths), followed by `also` (the parameter names MLX must still
+/// find). Where no file can be written, MLX gets the text itself.
+fn included(text: &str, also: &str, dir: &Option<PathBuf>) -> String {
+    if text.is_empty() {
+        return String::new();
+    }
+    match dir.as_deref().and_then(|dir| written(text, dir).ok()) {
+        Some(path) if path.is_absolute() && !path.to_string_lossy().contains('"') => {
+            format!("#include \"{}\"\n{also}", path.display())
+        }
+        _ => text.to_string(),
+    }
+}
+
+/// `text` in a file of `dir` named by its content: written there unless a file of that
+/// name already holds exactly it (another process's, or an earlier run's), through a
+/// temporary file renamed into place so that a reader never sees it half written.
+fn written(text: &str, dir: &Path) -> std::io::Result<PathBuf> {
+    let mut hasher = DefaultHasher::new();
+    text.hash(&mut hasher);
+    let path = dir.join(format!("dspec-{:016x}.cuh", hasher.finish()));
+    if std::fs::read(&path).is_ok_and(|held| held == text.as_bytes()) {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(dir)?;
+    let mut temporary = tempfile::NamedTempFile::new_in(dir)?;
+    temporary.write_all(text.as_bytes())?;
+    temporary.persist(&path).map_err(|e| e.error)?;
+    Ok(path)
 }
 
 /// How one call runs: the output's shape and dtype (also the template type `T`), the
@@ -293,5 +367,42 @@ mod tests {
         assert!(!wanted_under(Setting::BySize, large, true));
         assert!(wanted_under(setting_of(Some("1")), large, false));
         assert!(!wanted_under(setting_of(Some("0")), small, true));
+    }
+
+    /// MLX gets an `#include` of a file holding the text exactly (the same file for the
+    /// same text, rewritten where it holds something else), with the shape parameters
+    /// the text reads still named; where nothing can be written, the text itself.
+    #[test]
+    fn kernel_texts_reach_mlx_through_a_file() {
+        let body = "    out[0] = x[x_shape[0] - 1] + w[w_ndim];\n";
+        let also = shape_parameters(body, &["x", "w"]);
+        assert_eq!(also, "// reads x_shape w_ndim\n");
+        assert_eq!(shape_parameters("out[0] = x[0];", &["x"]), "");
+
+        let home = tempfile::tempdir().unwrap();
+        let dir = Some(home.path().join("dspec").join("cuda"));
+        let source = included(body, &also, &dir);
+        let path = source
+            .strip_prefix("#include \"")
+            .and_then(|rest| rest.split_once("\"\n"))
+            .map(|(path, rest)| {
+                assert_eq!(rest, also);
+                PathBuf::from(path)
+            })
+            .expect("an #include line");
+        assert!(path.is_absolute());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), body);
+        assert_eq!(included(body, &also, &dir), source, "one file per text");
+        assert_ne!(included("other text", "", &dir), source);
+
+        std::fs::write(&path, "stale").unwrap();
+        assert_eq!(included(body, &also, &dir), source);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), body, "rewritten");
+
+        assert_eq!(included(body, &also, &None), body);
+        let blocked = home.path().join("a file");
+        std::fs::write(&blocked, "").unwrap();
+        assert_eq!(included(body, &also, &Some(blocked.join("cuda"))), body);
+        assert_eq!(included("", "", &dir), "");
     }
 }

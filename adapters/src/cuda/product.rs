@@ -141,7 +141,15 @@ const SOURCE: &str = r#"
 "#;
 
 thread_local! {
-    static KERNEL: Kernel = Kernel::new("dspec_rows_product", &["x", "w"], HEADER, SOURCE, true);
+    static KERNEL: Kernel = Kernel::new("dspec_rows_product", &["x", "w"], HEADER, &body(), true);
+}
+
+/// The kernel's body with its constants written in: they never vary, and every template
+/// argument is text MLX formats again at each call.
+fn body() -> String {
+    format!(
+        "    constexpr int SLICE = {SLICE}, VEC = {VEC}, COLS = {COLS}, MAX_WARPS = {MAX_WARPS};\n{SOURCE}"
+    )
 }
 
 /// Whether [`product`] serves `x`, `rows` rows (all of it but its last dimension), times
@@ -186,12 +194,7 @@ pub fn product(x: &Array, weight: &Array) -> Result<Array> {
                 dtype: weight.dtype(),
                 grid: (blocks * warps * 32, 1, 1),
                 block: warps * 32,
-                ints: &[
-                    (c"SLICE", SLICE),
-                    (c"VEC", VEC),
-                    (c"COLS", COLS),
-                    (c"MAX_WARPS", MAX_WARPS),
-                ],
+                ints: &[],
             },
         )
     })

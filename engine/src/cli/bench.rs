@@ -1,7 +1,7 @@
 //! `dspec bench`: plain greedy and speculative decoding on the same prompts in one
 //! process, as a table or JSON; a real mismatch between the two is an error.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -50,6 +50,10 @@ pub struct BenchArgs {
     /// prompts' token ids repeated), e.g. 1024,4096,16384.
     #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
     prefill_lengths: Vec<usize>,
+    /// Write one JSON line per round of the timed speculative runs here (as `generate
+    /// --trace`): round costs from the same process as the plain runs they compare with.
+    #[arg(long)]
+    trace: Option<PathBuf>,
     #[command(flatten)]
     distributed: DistributedArgs,
 }
@@ -134,13 +138,25 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
             format!("{ids:?} {settings:?}").as_bytes(),
         )?;
     }
+    // One trace: the ranks' rounds are the same.
+    let mut trace_file = match (&args.trace, root) {
+        (Some(path), true) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("creating --trace {}", path.display()))?,
+        )),
+        _ => None,
+    };
     let report = bench_prompts(
         loaded.model.as_ref(),
         &loaded.tokenizer,
         drafter.as_mut(),
         &ids,
         &settings,
+        trace_file.as_mut().map(|f| f as &mut dyn Write),
     )?;
+    if let Some(mut f) = trace_file {
+        f.flush().context("writing --trace")?;
+    }
     if !root {
         // The same report as rank 0's: fail alike on a mismatch, print nothing.
         if report.real_mismatches > 0 {
