@@ -254,9 +254,13 @@ fn included(text: &str, also: &str, dir: &Option<PathBuf>) -> String {
     if text.is_empty() {
         return String::new();
     }
-    match dir.as_deref().and_then(|dir| written(text, dir).ok()) {
-        Some(path) if path.is_absolute() && !path.to_string_lossy().contains('"') => {
-            format!("#include \"{}\"\n{also}", path.display())
+    // A path the `#include` line can spell exactly: absolute, UTF-8, no quote, backslash
+    // or line break.
+    let dir = dir.as_deref().filter(|dir| dir.is_absolute());
+    let path = dir.and_then(|dir| written(text, dir).ok());
+    match path.as_deref().and_then(Path::to_str) {
+        Some(path) if !path.contains(['"', '\\', '\n', '\r']) => {
+            format!("#include \"{path}\"\n{also}")
         }
         _ => text.to_string(),
     }
@@ -400,6 +404,16 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&path).unwrap(), body, "rewritten");
 
         assert_eq!(included(body, &also, &None), body);
+        let quoted = Some(home.path().join("a \"quoted\" dir"));
+        assert_eq!(
+            included(body, &also, &quoted),
+            body,
+            "a path #include cannot spell"
+        );
+        assert_eq!(
+            included(body, &also, &Some(PathBuf::from("relative"))),
+            body
+        );
         let blocked = home.path().join("a file");
         std::fs::write(&blocked, "").unwrap();
         assert_eq!(included(body, &also, &Some(blocked.join("cuda"))), body);
