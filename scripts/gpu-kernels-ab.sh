@@ -30,28 +30,18 @@ P="Write a Python function that returns the n-th Fibonacci number iteratively."
 printf '{"prompt": "%s"}\n' "$P" > "$OUT/prompt.jsonl"
 /tmp/dspec generate --target "$T" --prompt "$P" --max-tokens 300 --json > "$OUT/answer.json" 2>> "$OUT/stderr.txt"
 
-bench_row() { # FILE TRACE LABEL: bench's report in one line; from the trace, per pass the
-  # median round of the widest kind queued ahead over that pass's plain step (the plain run
-  # next to it), and the median of those ratios over the passes (one prompt)
-  python3 -c 'import json, statistics, sys
+bench_row() { # FILE TRACE LABEL: bench's report in one line, with what a round costs in
+  # plain steps (scripts/gpu_verify_cost.py, kept_round_steps)
+  python3 -c 'import json, sys
+sys.path.insert(0, "scripts")
+from gpu_verify_cost import kept_round_steps
 r = json.load(open(sys.argv[1]))["report"]
-runs = []
-for line in open(sys.argv[2]):
-    x = json.loads(line)
-    if x["round"] == 0:
-        runs.append([])
-    runs[-1].append(x)
-widest = max(len(x["drafted"]) for run in runs for x in run)
-ratios = []
-for run, plain in zip(runs, r["rows"][0]["plain_passes"]):
-    ahead = [x["verify_ms"] for x in run if x["queued_ahead"] and len(x["drafted"]) == widest]
-    if ahead:
-        ratios.append(statistics.median(ahead) * plain / 1e3)
-traced = "" if not ratios else "traced round %.3f steps (w %d, passes %s)" % (
-    statistics.median(ratios), widest + 1, " ".join("%.2f" % v for v in ratios))
+whole, traced, passes = kept_round_steps(r, sys.argv[2])
 print(sys.argv[3], "plain", round(r["plain_tokens_per_second"], 1), "spec",
       round(r["speculative_tokens_per_second"], 1), "speedup", round(r["speedup"], 3),
-      "tau", round(r["tau"], 2), "steps/round", round(r["tau"] / r["speedup"], 3), traced,
+      "tau", round(r["tau"], 2), "steps/round", round(whole, 3),
+      "" if traced is None else "traced round %.3f steps (passes %s)" % (
+          traced, " ".join("%.2f" % v for v in passes)),
       "identical", r["all_identical"], "near_ties", r["near_ties"], "real", r["real_mismatches"])' "$@"
 }
 bench() { # NAME KERNELS ARGS...

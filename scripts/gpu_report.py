@@ -11,13 +11,18 @@ In one invocation, on one target (and its draft model):
     the prompt (a rename across a long function);
   - sampled decoding (temperature 0.7, top-p 0.9) and 4-bit weights (`--quantize 4`),
     each against greedy decoding run the same way (`dspec generate`, one process each);
-  - verify cost per width against one decode step (scripts/gpu_verify_cost.py);
+  - verify cost per width against one decode step: the model drafting for itself, rounds
+    read one by one (scripts/gpu_verify_cost.py), and rounds queued ahead with every
+    draft kept (the plain answer to the first prompt replayed, `dspec bench --verify-ahead
+    always --trace`: a round against the plain steps of the same process; with random
+    weights, only models written with `random_weights.py --residual-scale` keep them);
   - mlx-lm 0.32.2 on the same prompt ids: greedy, sampled, speculative with the same
     draft model (k=4), 4-bit (nn.quantize in the process) and warm prefill.
 Prints one table with the physical limit of plain decoding, writes JSON after each part.
 
 Usage: python3 scripts/gpu_report.py --dspec BIN --target DIR --draft DIR [--json-out F]
-           [--prefill-lengths 1024,4096,16384] [--widths 2,4,8,16] [--skip-mlx-lm]
+           [--prefill-lengths 1024,4096,16384] [--widths 2,4,8,16] [--kept-passes 7]
+           [--skip-mlx-lm]
 """
 
 import argparse
@@ -100,6 +105,34 @@ def generate_rate(args, prompts, extra):
     return aggregate(pairs) if pairs else None
 
 
+def verify_kept(args, widths):
+    """Rounds queued ahead with every draft kept, per width: the plain answer to the first
+    prompt replayed (`--drafter replay:`), one `dspec bench` process per width, its round
+    costs from `--trace` against its own plain runs (gpu_verify_cost.kept_round_steps)."""
+    answer = run_json([args.dspec, "generate", "--target", args.target, "--prompt", PROMPTS[0],
+                       "--max-tokens", str(args.max_tokens), "--json"])
+    if answer is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(answer, f)
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as p:
+        p.write(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    kept = {}
+    for w in widths:
+        with tempfile.NamedTemporaryFile(suffix=".jsonl") as trace:
+            report = bench(args, f"replay:{f.name}", str(w - 1),
+                           ["--prompts", p.name, "--verify-ahead", "always", "--passes",
+                            str(args.kept_passes), "--prefill-runs", "0", "--trace", trace.name])
+            if report is None:
+                continue
+            whole, traced, per_pass = gpu_verify_cost.kept_round_steps(report, trace.name)
+        kept[str(w)] = {"whole_steps": whole, "traced_steps": traced,
+                        "traced_per_pass": per_pass, "speedup": report["speedup"],
+                        "tau": report["tau"], "near_ties": report["near_ties"],
+                        "real_mismatches": report["real_mismatches"]}
+    return kept
+
+
 class MlxLmPeer:
     def __init__(self, target, draft):
         os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "65536")
@@ -160,6 +193,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prefill-lengths", default="1024,4096,16384")
     ap.add_argument("--widths", default="2,4,8,16")
+    ap.add_argument("--kept-passes", type=int, default=7)
     ap.add_argument("--hbm-gbps", type=float, default=3350.0)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-verify", action="store_true")
@@ -201,6 +235,8 @@ def main():
                                                   ["--verify", mode])
                 verify[f"{mode}:{w}"] = {"ms": ms, "steps": ms / step if ms and step else None}
         rec["verify"] = verify
+        save()
+        rec["verify_kept"] = verify_kept(args, widths)
         save()
 
     peer = {}
@@ -273,7 +309,16 @@ def print_table(rec, peer, limit):
     if v:
         cells = "  ".join(f"{k} {x['ms']:.2f} ms = {x['steps']:.2f} steps"
                           for k, x in v.items() if isinstance(x, dict) and x.get("ms"))
-        print(f"verify (one decode step {v['step_ms']:.2f} ms): {cells}")
+        print(f"verify, rounds read one by one (one decode step {v['step_ms']:.2f} ms): {cells}")
+    kept = rec.get("verify_kept")
+    if kept:
+        cells = "  ".join(
+            f"w {w}: {x['whole_steps']:.2f} whole / "
+            + (f"{x['traced_steps']:.2f}" if x["traced_steps"] is not None else "-")
+            + f" traced (tau {x['tau']:.2f}, {x['speedup']:.2f}x)"
+            for w, x in kept.items() if x.get("whole_steps"))
+        print(f"verify, rounds queued ahead with every draft kept, in plain steps of the same "
+              f"process: {cells}")
 
 
 if __name__ == "__main__":

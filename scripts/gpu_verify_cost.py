@@ -35,6 +35,32 @@ def dspec_json(cmd, env=None):
     return json.loads(out.stdout)
 
 
+def kept_round_steps(report, trace_path):
+    """A `dspec bench` of one prompt with `--verify-ahead always --trace`: what a round
+    costs in the same process's plain steps. Returns (whole, traced, per_pass): whole =
+    tau / speedup (a whole round, everything it does, from the passes' own ratios);
+    per pass, the median `verify_ms` of its widest rounds queued ahead (the guess held)
+    over the plain step of the plain run beside it (`plain_passes`, in the order run);
+    traced = the median of those."""
+    runs = []
+    with open(trace_path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r["round"] == 0 or not runs:
+                runs.append([])
+            runs[-1].append(r)
+    widest = max((len(r["drafted"]) for run in runs for r in run), default=0)
+    per_pass = []
+    for run, plain in zip(runs, report["rows"][0]["plain_passes"]):
+        ahead = [r["verify_ms"] for r in run if r["queued_ahead"] and len(r["drafted"]) == widest]
+        if ahead and plain:
+            per_pass.append(statistics.median(ahead) * plain / 1e3)
+    whole = report["tau"] / report["speedup"] if report.get("speedup") else None
+    return whole, (statistics.median(per_pass) if per_pass else None), per_pass
+
+
 def plain_step_ms(dspec, model, max_tokens, extra):
     result = dspec_json([dspec, "generate", "--target", model, "--prompt", PROMPT,
                          "--max-tokens", str(max_tokens), "--no-chat-template", "--json", *extra])
