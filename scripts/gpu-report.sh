@@ -6,7 +6,8 @@
 #   .gpu/py/         the mlx==0.32.2 (cp312) and mlx-lm==0.32.2 wheels
 # Usage: bash scripts/gpu-report.sh TARGET_DIR DRAFT_DIR [ARGS for gpu_report.py...]
 #        bash scripts/gpu-report.sh --random NAME [ARGS...]   random weights of .gpu/bench/NAME's
-#            shapes as the target, of qwen05's as the draft (speed depends on shapes, not values)
+#            shapes as the target, of qwen05's as the draft (speed depends on shapes, not values),
+#            and for the kept-drafts verify lines the same shapes with residual-scaled weights
 # Results: $OUT/report-*.json and the table on stdout.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-report}
@@ -18,12 +19,17 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 [ -x /tmp/dspec ] || { xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec; }
 /tmp/dspec --version
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+kept=()
 if [ "$1" = "--random" ]; then
   name=$2; shift 2
   bash scripts/gpu-random-models.sh "$name" qwen05
   target=/tmp/models-random/$name draft=/tmp/models-random/qwen05
+  # Plain random weights leave near-ties everywhere, where a replayed answer is lost; the
+  # kept-drafts verify lines take the same shapes with wide margins.
+  RESIDUAL_SCALE=1e-5 bash scripts/gpu-random-models.sh "$name"
+  kept=(--kept-target "/tmp/models-scaled/$name")
 else
   target=$1 draft=$2; shift 2
 fi
 python3 scripts/gpu_report.py --dspec /tmp/dspec --target "$target" --draft "$draft" \
-    --json-out "$OUT/report-$(basename "$target").json" "$@" 2> "$OUT/report-$(basename "$target").log"
+    --json-out "$OUT/report-$(basename "$target").json" "${kept[@]}" "$@" 2> "$OUT/report-$(basename "$target").log"

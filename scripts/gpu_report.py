@@ -15,14 +15,15 @@ In one invocation, on one target (and its draft model):
     read one by one (scripts/gpu_verify_cost.py), and rounds queued ahead with every
     draft kept (the plain answer to the first prompt replayed, `dspec bench --verify-ahead
     always --trace`: a round against the plain steps of the same process; with random
-    weights, only models written with `random_weights.py --residual-scale` keep them);
+    weights, only models written with `random_weights.py --residual-scale` keep them,
+    given as --kept-target);
   - mlx-lm 0.32.2 on the same prompt ids: greedy, sampled, speculative with the same
     draft model (k=4), 4-bit (nn.quantize in the process) and warm prefill.
 Prints one table with the physical limit of plain decoding, writes JSON after each part.
 
 Usage: python3 scripts/gpu_report.py --dspec BIN --target DIR --draft DIR [--json-out F]
            [--prefill-lengths 1024,4096,16384] [--widths 2,4,8,16] [--kept-passes 7]
-           [--skip-mlx-lm]
+           [--kept-target DIR] [--skip-mlx-lm]
 """
 
 import argparse
@@ -86,8 +87,8 @@ def run_json(cmd):
         return None
 
 
-def bench(args, drafter, max_draft, extra):
-    report = run_json([args.dspec, "bench", "--target", args.target, "--drafter", drafter,
+def bench(args, drafter, max_draft, extra, target=None):
+    report = run_json([args.dspec, "bench", "--target", target or args.target, "--drafter", drafter,
                        "--max-draft", max_draft, "--max-tokens", str(args.max_tokens),
                        "--json", *extra])
     return None if report is None else report["report"]
@@ -109,7 +110,8 @@ def verify_kept(args, widths):
     """Rounds queued ahead with every draft kept, per width: the plain answer to the first
     prompt replayed (`--drafter replay:`), one `dspec bench` process per width, its round
     costs from `--trace` against its own plain runs (gpu_verify_cost.kept_round_steps)."""
-    answer = run_json([args.dspec, "generate", "--target", args.target, "--prompt", PROMPTS[0],
+    target = args.kept_target or args.target
+    answer = run_json([args.dspec, "generate", "--target", target, "--prompt", PROMPTS[0],
                        "--max-tokens", str(args.max_tokens), "--json"])
     if answer is None:
         return None
@@ -122,7 +124,8 @@ def verify_kept(args, widths):
         with tempfile.NamedTemporaryFile(suffix=".jsonl") as trace:
             report = bench(args, f"replay:{f.name}", str(w - 1),
                            ["--prompts", p.name, "--verify-ahead", "always", "--passes",
-                            str(args.kept_passes), "--prefill-runs", "0", "--trace", trace.name])
+                            str(args.kept_passes), "--prefill-runs", "0", "--trace", trace.name],
+                           target)
             if report is None:
                 continue
             whole, traced, per_pass = gpu_verify_cost.kept_round_steps(report, trace.name)
@@ -194,6 +197,9 @@ def main():
     ap.add_argument("--prefill-lengths", default="1024,4096,16384")
     ap.add_argument("--widths", default="2,4,8,16")
     ap.add_argument("--kept-passes", type=int, default=7)
+    ap.add_argument("--kept-target", help="the model of the kept-drafts verify lines "
+                    "(default: --target; for random weights, one written with "
+                    "--residual-scale, of the same shapes)")
     ap.add_argument("--hbm-gbps", type=float, default=3350.0)
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-verify", action="store_true")
