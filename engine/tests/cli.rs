@@ -782,6 +782,26 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     // The same rounds in both passes (greedy, a fixed draft length).
     assert!(forwards > 0);
     assert_eq!(rounds.lines().count() as u64, 2 * forwards, "{rounds}");
+    let unwritable = prompts_dir.path().join("no such dir").join("rounds.jsonl");
+    let err = dspec_fails(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--max-tokens",
+        "2",
+        "--passes",
+        "1",
+        "--prefill-runs",
+        "0",
+        "--trace",
+        path_str(&unwritable),
+    ]);
+    assert!(
+        err.contains("--trace") && err.contains("no such dir"),
+        "{err}"
+    );
     let err = dspec_fails(&[
         "bench",
         "--target",
