@@ -637,6 +637,12 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     // Room for the default prompts, one byte a token with this tokenizer.
     let model = tiny_model(r#"{"max_position_embeddings": 1024}"#);
     let m = path_str(model.path());
+    // `dspec bench` with the n-gram drafter and `extra`, expected to fail: its stderr.
+    let bench_fails = |extra: &[&str]| {
+        let mut args = vec!["bench", "--target", m, "--drafter", "ngram"];
+        args.extend_from_slice(extra);
+        dspec_fails(&args)
+    };
     let prompts_dir = tempfile::tempdir().expect("temp dir");
     let prompts = prompts_dir.path().join("prompts.txt");
     std::fs::write(
@@ -731,15 +737,7 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     assert!(rows
         .iter()
         .all(|r| r["warm_seconds"].as_array().map(Vec::len) == Some(2)));
-    let err = dspec_fails(&[
-        "bench",
-        "--target",
-        m,
-        "--drafter",
-        "ngram",
-        "--prefill-lengths",
-        "4096",
-    ]);
+    let err = bench_fails(&["--prefill-lengths", "4096"]);
     assert!(
         err.contains("--prefill-lengths") && err.contains("4096"),
         "{err}"
@@ -783,12 +781,7 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     assert!(forwards > 0);
     assert_eq!(rounds.lines().count() as u64, 2 * forwards, "{rounds}");
     let unwritable = prompts_dir.path().join("no such dir").join("rounds.jsonl");
-    let err = dspec_fails(&[
-        "bench",
-        "--target",
-        m,
-        "--drafter",
-        "ngram",
+    let err = bench_fails(&[
         "--max-tokens",
         "2",
         "--passes",
@@ -802,15 +795,7 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
         err.contains("--trace") && err.contains("no such dir"),
         "{err}"
     );
-    let err = dspec_fails(&[
-        "bench",
-        "--target",
-        m,
-        "--drafter",
-        "ngram",
-        "--passes",
-        "0",
-    ]);
+    let err = bench_fails(&["--passes", "0"]);
     assert!(err.contains("--passes"), "{err}");
 
     // The table, with the default prompts.
@@ -835,30 +820,14 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
         "{table}"
     );
 
-    let err = dspec_fails(&[
-        "bench",
-        "--target",
-        m,
-        "--drafter",
-        "ngram",
-        "--prompts",
-        "/nonexistent/p.txt",
-    ]);
+    let err = bench_fails(&["--prompts", "/nonexistent/p.txt"]);
     assert!(
         err.contains("--prompts") && err.contains("/nonexistent/p.txt"),
         "{err}"
     );
     let bad = prompts_dir.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": 1}\n").expect("write");
-    let err = dspec_fails(&[
-        "bench",
-        "--target",
-        m,
-        "--drafter",
-        "ngram",
-        "--prompts",
-        path_str(&bad),
-    ]);
+    let err = bench_fails(&["--prompts", path_str(&bad)]);
     assert!(
         err.contains("line 1") && err.contains("\"prompt\""),
         "{err}"
