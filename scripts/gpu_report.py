@@ -106,6 +106,14 @@ def generate_rate(args, prompts, extra):
     return aggregate(pairs) if pairs else None
 
 
+def prompts_file(texts, directory=None):
+    """A JSON-lines file of `texts` as `dspec bench --prompts` reads them: its path."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, dir=directory) as f:
+        for t in texts:
+            f.write(json.dumps({"prompt": t}) + "\n")
+        return f.name
+
+
 def verify_kept(args, widths):
     """Rounds queued ahead with every draft kept, per width: the plain answer to the first
     prompt replayed (`--drafter replay:`), one `dspec bench` process per width, its round
@@ -115,24 +123,24 @@ def verify_kept(args, widths):
                        "--max-tokens", str(args.max_tokens), "--json"])
     if answer is None:
         return None
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(answer, f)
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as p:
-        p.write(json.dumps({"prompt": PROMPTS[0]}) + "\n")
     kept = {}
-    for w in widths:
-        with tempfile.NamedTemporaryFile(suffix=".jsonl") as trace:
-            report = bench(args, f"replay:{f.name}", str(w - 1),
-                           ["--prompts", p.name, "--verify-ahead", "always", "--passes",
-                            str(args.kept_passes), "--prefill-runs", "0", "--trace", trace.name],
+    with tempfile.TemporaryDirectory() as tmp:
+        answer_file, trace = os.path.join(tmp, "answer.json"), os.path.join(tmp, "trace.jsonl")
+        with open(answer_file, "w") as f:
+            json.dump(answer, f)
+        prompt = prompts_file([PROMPTS[0]], tmp)
+        for w in widths:
+            report = bench(args, f"replay:{answer_file}", str(w - 1),
+                           ["--prompts", prompt, "--verify-ahead", "always", "--passes",
+                            str(args.kept_passes), "--prefill-runs", "0", "--trace", trace],
                            target)
             if report is None:
                 continue
-            whole, traced, per_pass = gpu_verify_cost.kept_round_steps(report, trace.name)
-        kept[str(w)] = {"whole_steps": whole, "traced_steps": traced,
-                        "traced_per_pass": per_pass, "speedup": report["speedup"],
-                        "tau": report["tau"], "near_ties": report["near_ties"],
-                        "real_mismatches": report["real_mismatches"]}
+            whole, traced, per_pass = gpu_verify_cost.kept_round_steps(report, trace)
+            kept[str(w)] = {"whole_steps": whole, "traced_steps": traced,
+                            "traced_per_pass": per_pass, "speedup": report["speedup"],
+                            "tau": report["tau"], "near_ties": report["near_ties"],
+                            "real_mismatches": report["real_mismatches"]}
     return kept
 
 
@@ -211,12 +219,6 @@ def main():
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(rec, f, indent=1)
-
-    def prompts_file(texts):
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-            for t in texts:
-                f.write(json.dumps({"prompt": t}) + "\n")
-            return f.name
 
     common, edit = prompts_file(PROMPTS), prompts_file([EDIT_PROMPT])
     dm = bench(args, f"model:{args.draft}", "auto",

@@ -12,7 +12,7 @@ use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::Result;
 
-use super::{apply, available, Kernel, Launch};
+use super::{apply, available, with_constants, Kernel, Launch};
 
 /// Warps per (head, position) block.
 const WARPS: i32 = 4;
@@ -103,14 +103,13 @@ const SOURCE: &str = r#"
 "#;
 
 thread_local! {
-    static KERNEL: Kernel =
-        Kernel::new("dspec_short_attention", &["q", "k", "v"], "", &body(), false);
-}
-
-/// The kernel's body with [`WARPS`] written in: it never varies, and every template
-/// argument is text MLX formats again at each call.
-fn body() -> String {
-    format!("    constexpr int WARPS = {WARPS};\n{SOURCE}")
+    static KERNEL: Kernel = Kernel::new(
+        "dspec_short_attention",
+        &["q", "k", "v"],
+        "",
+        &with_constants(&[("WARPS", WARPS)], SOURCE),
+        false,
+    );
 }
 
 /// Whether [`attend`] serves a layer of this shape here (no score softcapping, a head

@@ -30,7 +30,6 @@ pub mod attention;
 pub mod product;
 
 use std::ffi::{CStr, CString};
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -39,6 +38,7 @@ use std::thread::JoinHandle;
 use mlx_rs::{Array, Dtype, Stream};
 
 use dspec_plugin_api::error::{ModelError, Result};
+use dspec_runtime::files::{fnv1a, xdg_dir};
 use dspec_runtime::Backend;
 
 /// Most positions the kernels take in one call: two tensor-core products' worth of rows
@@ -171,8 +171,9 @@ impl Kernel {
         source: &str,
         row_contiguous: bool,
     ) -> Kernel {
-        let header = included(header, "", &cache_dir());
-        let source = included(source, &shape_parameters(source, inputs), &cache_dir());
+        let dir = cache_dir();
+        let header = included(header, "", &dir);
+        let source = included(source, &shape_parameters(source, inputs), &dir);
         let strings = |names: &[&str]| {
             // SAFETY: a fresh vector; mlx-c copies each name in.
             unsafe {
@@ -229,16 +230,17 @@ fn shape_parameters(source: &str, inputs: &[&str]) -> String {
 /// Where kernel texts are written for NVRTC to include: `$XDG_CACHE_HOME/dspec/cuda`,
 /// else `~/.cache/dspec/cuda`; `None` where neither is set.
 fn cache_dir() -> Option<PathBuf> {
-    let nonempty = |v: std::ffi::OsString| (!v.is_empty()).then_some(v);
-    std::env::var_os("XDG_CACHE_HOME")
-        .and_then(nonempty)
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .and_then(nonempty)
-                .map(|h| PathBuf::from(h).join(".cache"))
-        })
-        .map(|cache| cache.join("dspec").join("cuda"))
+    xdg_dir("XDG_CACHE_HOME", ".cache").map(|cache| cache.join("dspec").join("cuda"))
+}
+
+/// `body` with `constants` written in front of it as `constexpr int`s: for values that
+/// never vary, since every template argument is text MLX formats again at each call.
+fn with_constants(constants: &[(&str, i32)], body: &str) -> String {
+    let lines: String = constants
+        .iter()
+        .map(|(name, value)| format!("    constexpr int {name} = {value};\n"))
+        .collect();
+    lines + body
 }
 
 /// What MLX is handed for one piece of a kernel's text (its header or its body).
@@ -254,15 +256,21 @@ fn included(text: &str, also: &str, dir: &Option<PathBuf>) -> String {
     if text.is_empty() {
         return String::new();
     }
-    // A path the `#include` line can spell exactly: absolute, UTF-8, no quote, backslash
-    // or line break.
-    let dir = dir.as_deref().filter(|dir| dir.is_absolute());
-    let path = dir.and_then(|dir| written(text, dir).ok());
+    // A directory the `#include` line can spell exactly (the file names are hex):
+    // absolute, UTF-8, no quote, backslash or line break.
+    let spelled = |dir: &&Path| {
+        dir.is_absolute()
+            && dir
+                .to_str()
+                .is_some_and(|d| !d.contains(['"', '\\', '\n', '\r']))
+    };
+    let path = dir
+        .as_deref()
+        .filter(spelled)
+        .and_then(|dir| written(text, dir).ok());
     match path.as_deref().and_then(Path::to_str) {
-        Some(path) if !path.contains(['"', '\\', '\n', '\r']) => {
-            format!("#include \"{path}\"\n{also}")
-        }
-        _ => text.to_string(),
+        Some(path) => format!("#include \"{path}\"\n{also}"),
+        None => text.to_string(),
     }
 }
 
@@ -270,9 +278,7 @@ fn included(text: &str, also: &str, dir: &Option<PathBuf>) -> String {
 /// name already holds exactly it (another process's, or an earlier run's), through a
 /// temporary file renamed into place so that a reader never sees it half written.
 fn written(text: &str, dir: &Path) -> std::io::Result<PathBuf> {
-    let mut hasher = DefaultHasher::new();
-    text.hash(&mut hasher);
-    let path = dir.join(format!("dspec-{:016x}.cuh", hasher.finish()));
+    let path = dir.join(format!("dspec-{:016x}.cuh", fnv1a(text.as_bytes())));
     if std::fs::read(&path).is_ok_and(|held| held == text.as_bytes()) {
         return Ok(path);
     }
@@ -404,11 +410,15 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&path).unwrap(), body, "rewritten");
 
         assert_eq!(included(body, &also, &None), body);
-        let quoted = Some(home.path().join("a \"quoted\" dir"));
+        let quoted = home.path().join("a \"quoted\" dir");
         assert_eq!(
-            included(body, &also, &quoted),
+            included(body, &also, &Some(quoted.clone())),
             body,
             "a path #include cannot spell"
+        );
+        assert!(
+            !quoted.exists(),
+            "nothing written where it cannot be included"
         );
         assert_eq!(
             included(body, &also, &Some(PathBuf::from("relative"))),
@@ -418,5 +428,14 @@ mod tests {
         std::fs::write(&blocked, "").unwrap();
         assert_eq!(included(body, &also, &Some(blocked.join("cuda"))), body);
         assert_eq!(included("", "", &dir), "");
+    }
+
+    /// Constants go in front of the body, one `constexpr int` each.
+    #[test]
+    fn constants_are_written_before_the_body() {
+        assert_eq!(
+            with_constants(&[("A", 1), ("B", -2)], "body;\n"),
+            "    constexpr int A = 1;\n    constexpr int B = -2;\nbody;\n"
+        );
     }
 }

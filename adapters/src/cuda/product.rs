@@ -18,7 +18,7 @@ use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
 
-use super::{apply, available, Kernel, Launch, MAX_ROWS};
+use super::{apply, available, with_constants, Kernel, Launch, MAX_ROWS};
 
 /// Inputs per warp per step: four m16n8k16 products.
 const SLICE: i32 = 64;
@@ -141,15 +141,16 @@ const SOURCE: &str = r#"
 "#;
 
 thread_local! {
-    static KERNEL: Kernel = Kernel::new("dspec_rows_product", &["x", "w"], HEADER, &body(), true);
-}
-
-/// The kernel's body with its constants written in: they never vary, and every template
-/// argument is text MLX formats again at each call.
-fn body() -> String {
-    format!(
-        "    constexpr int SLICE = {SLICE}, VEC = {VEC}, COLS = {COLS}, MAX_WARPS = {MAX_WARPS};\n{SOURCE}"
-    )
+    static KERNEL: Kernel = Kernel::new(
+        "dspec_rows_product",
+        &["x", "w"],
+        HEADER,
+        &with_constants(
+            &[("SLICE", SLICE), ("VEC", VEC), ("COLS", COLS), ("MAX_WARPS", MAX_WARPS)],
+            SOURCE,
+        ),
+        true,
+    );
 }
 
 /// Whether [`product`] serves `x`, `rows` rows (all of it but its last dimension), times

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use mlx_rs::Array;
 
 use dspec_runtime::distributed::{init, is_available, Group, BACKENDS};
+use dspec_runtime::files::fnv1a;
 
 use crate::error::EngineError;
 use crate::runtime::exit_process;
@@ -544,13 +545,6 @@ fn wait_readable(connections: &[(i32, i32, String)]) {
 #[cfg(not(target_os = "linux"))]
 fn wait_readable(_connections: &[(i32, i32, String)]) {}
 
-/// 64-bit FNV-1a: the same on every platform and build, unlike std's hasher.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
 /// Joins the group `settings` and the environment describe; `None` to run alone.
 ///
 /// Call it first thing, before other threads use MLX. The wait for the other ranks to
@@ -738,12 +732,5 @@ mod tests {
                 "{text}"
             );
         }
-    }
-
-    #[test]
-    fn fingerprints_are_stable() {
-        // FNV-1a's published test vector: every build on every platform agrees.
-        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
-        assert_ne!(fnv1a(b"prompt 1"), fnv1a(b"prompt 2"));
     }
 }

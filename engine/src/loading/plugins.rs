@@ -3,12 +3,12 @@
 //! per-user plugin directory; a model_type a built-in also claims needs `--plugin-override`.
 
 use std::collections::HashSet;
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use dspec_plugin_api::plugin::{load_plugin, PluginLibrary};
 use dspec_plugin_api::{AdapterRegistry, AdapterSource, ModelError};
+use dspec_runtime::files::xdg_dir;
 
 use crate::error::EngineError;
 use crate::loading::builtin_registry;
@@ -52,13 +52,7 @@ impl PluginSearch {
 
 /// `$XDG_DATA_HOME/dspec/plugins`, else `~/.local/share/dspec/plugins`.
 pub fn user_plugin_dir() -> Option<PathBuf> {
-    let nonempty = |v: OsString| (!v.is_empty()).then(|| PathBuf::from(v));
-    if let Some(data) = std::env::var_os("XDG_DATA_HOME").and_then(nonempty) {
-        return Some(data.join("dspec/plugins"));
-    }
-    std::env::var_os("HOME")
-        .and_then(nonempty)
-        .map(|home| home.join(".local/share/dspec/plugins"))
+    xdg_dir("XDG_DATA_HOME", ".local/share").map(|data| data.join("dspec/plugins"))
 }
 
 fn is_library(path: &Path) -> bool {
