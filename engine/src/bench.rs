@@ -23,6 +23,7 @@ use dspec_plugin_api::{Drafter, TargetModel};
 use crate::decoding::generate::{
     generate, logits_to_host, prefill, GenerationConfig, GenerationOutput, GenerationStats,
 };
+use crate::decoding::sampling::SamplingParams;
 use crate::decoding::speculative::{
     generate_speculative, Speculation, SpeculativeOutput, SpeculativeStats,
 };
@@ -101,6 +102,9 @@ pub struct BenchSettings {
     /// Plain and speculative runs of each prompt (at least 1); rows report the medians.
     pub passes: usize,
     pub prefill: PrefillPlan,
+    /// Also time plain decoding with these sampling settings in every pass, beside plain
+    /// greedy (what the sampler costs); `None`, or greedy settings, skip it.
+    pub sampled: Option<SamplingParams>,
 }
 
 /// Prefill of one prompt: its first call apart from the warm calls after it.
@@ -213,12 +217,41 @@ pub struct BenchReport {
     /// Absent when prefill was not measured (`--prefill-runs 0`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefill: Option<PrefillReport>,
+    /// Absent unless sampled decoding was asked for ([`BenchSettings::sampled`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampled: Option<SampledReport>,
+}
+
+/// Plain sampled decoding, run in the same passes as plain greedy decoding.
+#[derive(Debug, Clone, Serialize)]
+pub struct SampledReport {
+    pub sampling: SamplingParams,
+    /// Per prompt, in the bench's order.
+    pub rows: Vec<SampledRow>,
+    /// Over all prompts' median passes: generated tokens (after each first) / decode
+    /// seconds.
+    pub tokens_per_second: f64,
+    /// The median over passes of all prompts' sampled decode rate over their plain
+    /// greedy rate in the same pass (as [`BenchRow::speedup`] is taken).
+    pub over_greedy: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SampledRow {
+    /// The sampled pass of median decode time.
+    pub stats: GenerationStats,
+    /// Its output ids.
+    pub tokens: Vec<u32>,
+    /// Decode tok/s of every pass, in the order run.
+    pub passes: Vec<f64>,
 }
 
 /// Runs every prompt plainly and speculatively (greedy), `passes` times each, after one
 /// short warm-up of each so neither side pays first-call costs inside its timing. The
 /// passes go over all prompts in turn, and alternate which of the two runs first, so a
-/// drift in the machine's speed falls on both alike. Prefill is measured first, so each
+/// drift in the machine's speed falls on both alike. Sampled plain decoding, when asked
+/// for, runs between the two, so that it always sits next to plain greedy's run of the
+/// same pass; with a seed, pass `n` samples with seed + `n`. Prefill is measured first, so each
 /// prompt's first prefill is its first in the process. `trace` receives one JSON line per
 /// round of the timed speculative runs (as `generate --trace` writes them), so that round
 /// costs can be set against the plain steps of the same process.
@@ -251,6 +284,16 @@ pub fn run_bench(
         stop_strings: Vec::new(),
         eos_ids: tokenizer.eos_token_ids().to_vec(),
     };
+    let sampling = settings.sampled.clone().filter(|s| !s.is_greedy());
+    let sampled_config = |pass: u64| {
+        sampling.as_ref().map(|s| GenerationConfig {
+            sampling: SamplingParams {
+                seed: s.seed.map(|seed| seed.wrapping_add(pass)),
+                ..s.clone()
+            },
+            ..config.clone()
+        })
+    };
     let speculative = |drafter: &mut dyn Drafter,
                        prompt: &[u32],
                        config: &GenerationConfig,
@@ -271,14 +314,35 @@ pub fn run_bench(
         };
         generate(model, tokenizer, first, &warm, &mut |_| {})?;
         speculative(&mut *drafter, first, &warm, None)?;
+        if let Some(sampled) = sampled_config(0) {
+            let warm = GenerationConfig {
+                max_tokens: warm.max_tokens,
+                ..sampled
+            };
+            generate(model, tokenizer, first, &warm, &mut |_| {})?;
+        }
     }
-    let mut plain_runs: Vec<Vec<GenerationOutput>> = prompts.iter().map(|_| Vec::new()).collect();
+    let runs = || -> Vec<Vec<GenerationOutput>> { prompts.iter().map(|_| Vec::new()).collect() };
+    let (mut plain_runs, mut sampled_runs) = (runs(), runs());
     let mut spec_runs: Vec<Vec<SpeculativeOutput>> = prompts.iter().map(|_| Vec::new()).collect();
     for pass in 0..passes {
+        let sampled = sampled_config(pass as u64);
         for (i, prompt) in prompts.iter().enumerate() {
             let plain_first = pass % 2 == 0;
+            let mut plain_and_sampled = |plain_first: bool| -> Result<(), EngineError> {
+                if plain_first {
+                    plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
+                }
+                if let Some(sampled) = &sampled {
+                    sampled_runs[i].push(generate(model, tokenizer, prompt, sampled, &mut |_| {})?);
+                }
+                if !plain_first {
+                    plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
+                }
+                Ok(())
+            };
             if plain_first {
-                plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
+                plain_and_sampled(true)?;
             }
             spec_runs[i].push(speculative(
                 &mut *drafter,
@@ -287,10 +351,13 @@ pub fn run_bench(
                 trace.as_mut().map(|t| &mut **t as &mut dyn Write),
             )?);
             if !plain_first {
-                plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
+                plain_and_sampled(false)?;
             }
         }
     }
+    let sampled = sampling
+        .as_ref()
+        .map(|params| sampled_report(params, &plain_runs, sampled_runs));
     let mut rows = Vec::new();
     // Per prompt, per pass: the plain and the speculative run's decoding.
     let mut paired_passes: Vec<Vec<(DecodeRun, DecodeRun)>> = Vec::new();
@@ -308,7 +375,7 @@ pub fn run_bench(
             .zip(&specs)
             .map(|(p, s)| (DecodeRun::of(&p.stats), DecodeRun::of(&s.stats)))
             .collect();
-        let speedup = paired_speedup(&[pairs.as_slice()]);
+        let speedup = paired_ratio(&[pairs.as_slice()]);
         paired_passes.push(pairs);
         let plain = median_pass(plains, |p| p.stats.decode_seconds);
         // Passes that gave the same tokens share one check (a difference is classified
@@ -363,14 +430,56 @@ pub fn run_bench(
         passes,
         plain_tokens_per_second: plain_tps,
         speculative_tokens_per_second: spec_tps,
-        speedup: paired_speedup(&paired_passes.iter().map(Vec::as_slice).collect::<Vec<_>>()),
+        speedup: paired_ratio(&paired_passes.iter().map(Vec::as_slice).collect::<Vec<_>>()),
         tau: committed as f64 / forwards.max(1) as f64,
         all_identical: rows.iter().all(|r| r.identical),
         near_ties: differences().filter(|d| d.near_tie).count(),
         real_mismatches: differences().filter(|d| !d.near_tie).count(),
         prefill,
+        sampled,
         rows,
     })
+}
+
+/// The sampled line from each prompt's plain greedy and sampled runs (the same passes
+/// in the same order).
+fn sampled_report(
+    params: &SamplingParams,
+    plain_runs: &[Vec<GenerationOutput>],
+    sampled_runs: Vec<Vec<GenerationOutput>>,
+) -> SampledReport {
+    let paired: Vec<Vec<(DecodeRun, DecodeRun)>> = plain_runs
+        .iter()
+        .zip(&sampled_runs)
+        .map(|(plains, sampled)| {
+            plains
+                .iter()
+                .zip(sampled)
+                .map(|(p, s)| (DecodeRun::of(&p.stats), DecodeRun::of(&s.stats)))
+                .collect()
+        })
+        .collect();
+    let rows: Vec<SampledRow> = sampled_runs
+        .into_iter()
+        .map(|runs| {
+            let passes = runs
+                .iter()
+                .map(|r| r.stats.decode_tokens_per_second)
+                .collect();
+            let median = median_pass(runs, |r| r.stats.decode_seconds);
+            SampledRow {
+                stats: median.stats,
+                tokens: median.tokens,
+                passes,
+            }
+        })
+        .collect();
+    SampledReport {
+        sampling: params.clone(),
+        tokens_per_second: decode_rate(rows.iter().map(|r| DecodeRun::of(&r.stats))),
+        over_greedy: paired_ratio(&paired.iter().map(Vec::as_slice).collect::<Vec<_>>()),
+        rows,
+    }
 }
 
 /// A prompt of exactly `len` real token ids: the bench prompts' ids one after another,
@@ -453,16 +562,16 @@ impl DecodeRun {
     }
 }
 
-/// The median over passes of the speculative decode rate over the plain one, each rate
-/// summed over `prompts` (each prompt's `(plain, speculative)` run of every pass, passes
-/// in the same order for every prompt).
-fn paired_speedup(prompts: &[&[(DecodeRun, DecodeRun)]]) -> f64 {
+/// The median over passes of the second run's decode rate over the first's, each rate
+/// summed over `prompts` (each prompt's `(plain, other)` run of every pass, passes in the
+/// same order for every prompt): a speedup, or sampled decoding's rate against greedy's.
+fn paired_ratio(prompts: &[&[(DecodeRun, DecodeRun)]]) -> f64 {
     let passes = prompts.iter().map(|p| p.len()).min().unwrap_or(0);
     let ratios: Vec<f64> = (0..passes)
         .map(|i| {
             let plain = decode_rate(prompts.iter().map(|p| p[i].0));
-            let speculative = decode_rate(prompts.iter().map(|p| p[i].1));
-            speculative / plain.max(1e-9)
+            let other = decode_rate(prompts.iter().map(|p| p[i].1));
+            other / plain.max(1e-9)
         })
         .collect();
     median(&ratios).unwrap_or(0.0)
@@ -684,6 +793,15 @@ impl BenchReport {
                 self.passes
             );
         }
+        if let Some(sampled) = &self.sampled {
+            out += &format!(
+                "\nsampled plain decoding ({}): {:.1} t/s, {:.2}x plain greedy (the median of \
+                 the passes' own ratios, the two run back to back)\n",
+                describe_sampling(&sampled.sampling),
+                sampled.tokens_per_second,
+                sampled.over_greedy
+            );
+        }
         if let Some(prefill) = &self.prefill {
             out += &format!(
                 "\nprefill (median of {} warm runs after each prompt's first call)\n",
@@ -707,6 +825,21 @@ impl BenchReport {
         }
         out
     }
+}
+
+/// The sampling settings that differ from plain sampling, as the flags name them.
+fn describe_sampling(p: &SamplingParams) -> String {
+    let mut parts = vec![format!("temperature {}", p.temperature)];
+    if p.top_k > 0 {
+        parts.push(format!("top-k {}", p.top_k));
+    }
+    if p.top_p < 1.0 {
+        parts.push(format!("top-p {}", p.top_p));
+    }
+    if p.min_p > 0.0 {
+        parts.push(format!("min-p {}", p.min_p));
+    }
+    parts.join(", ")
 }
 
 #[cfg(test)]
@@ -735,7 +868,7 @@ mod tests {
                 (run(100, 300.0 * d), run(100, 300.0 * d * ratio))
             })
             .collect();
-        assert!((paired_speedup(&[&pairs]) - 1.2).abs() < 1e-9);
+        assert!((paired_ratio(&[&pairs]) - 1.2).abs() < 1e-9);
         // Over several prompts a pass's rate is its prompts' tokens over their seconds.
         let short: Vec<(DecodeRun, DecodeRun)> = drift
             .iter()
@@ -743,9 +876,9 @@ mod tests {
             .collect();
         // Pass 0: plain 110 tokens in 1/3 + 1/10 s, speculative in 1/3.6 + 1/30 s.
         let expected = (1.0 / 3.0 + 0.1) / (1.0 / 3.6 + 1.0 / 30.0);
-        let got = paired_speedup(&[&pairs, &short]);
+        let got = paired_ratio(&[&pairs, &short]);
         assert!((got - expected).abs() < 1e-9, "{got} vs {expected}");
-        assert_eq!(paired_speedup(&[]), 0.0);
+        assert_eq!(paired_ratio(&[]), 0.0);
     }
 
     #[test]

@@ -834,6 +834,117 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     );
 }
 
+/// With `--temperature`, bench times plain sampled decoding in every pass beside plain
+/// greedy: per pass, the two runs' ratio, whose median is the report's `over_greedy`.
+#[test]
+fn bench_times_sampled_plain_decoding_beside_greedy() {
+    let model = tiny_model("{}");
+    let m = path_str(model.path());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "the quick brown fox\n").expect("write prompts");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--target",
+            m,
+            "--drafter",
+            "ngram",
+            "--prompts",
+            path_str(&prompts),
+            "--max-tokens",
+            "16",
+            "--prefill-runs",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        dspec(&args)
+    };
+    let out = bench(&[
+        "--temperature",
+        "1.5",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+        "--passes",
+        "3",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let report = &v["report"];
+    let sampled = &report["sampled"];
+    assert_eq!(sampled["sampling"]["temperature"], 1.5, "{sampled}");
+    let rates = |value: &serde_json::Value| -> Vec<f64> {
+        value
+            .as_array()
+            .expect("passes")
+            .iter()
+            .map(|v| v.as_f64().expect("tok/s"))
+            .collect()
+    };
+    let greedy = rates(&report["rows"][0]["plain_passes"]);
+    let row = &sampled["rows"][0];
+    let passes = rates(&row["passes"]);
+    assert_eq!(passes.len(), 3, "{sampled}");
+    let mut sorted = passes.clone();
+    sorted.sort_by(f64::total_cmp);
+    assert_eq!(row["stats"]["decode_tokens_per_second"], sorted[1], "{row}");
+    // One prompt: a pass's ratio is its sampled rate over its greedy rate.
+    let mut ratios: Vec<f64> = passes.iter().zip(&greedy).map(|(s, g)| s / g).collect();
+    ratios.sort_by(f64::total_cmp);
+    let over_greedy = sampled["over_greedy"].as_f64().expect("ratio");
+    assert!(
+        (over_greedy - ratios[1]).abs() < 1e-9 * ratios[1],
+        "{sampled}"
+    );
+    // The sampled runs sampled: at temperature 1.5 the output leaves greedy's.
+    assert_ne!(row["tokens"], report["rows"][0]["tokens"], "{report}");
+    // The speculative runs stayed greedy and are checked against plain decoding.
+    assert_eq!(report["all_identical"], true);
+
+    let out = bench(&["--temperature", "0.7", "--min-p", "0.1", "--passes", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    assert!(
+        table.contains("sampled plain decoding (temperature 0.7, min-p 0.1)")
+            && table.contains("x plain greedy"),
+        "{table}"
+    );
+    // Greedy: no sampled line.
+    let out = bench(&["--passes", "1", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(v["report"].get("sampled").is_none(), "{v}");
+    // A filter without a temperature would time nothing: refused, naming both flags.
+    let err = dspec_fails(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--top-p",
+        "0.9",
+    ]);
+    assert!(
+        err.contains("--top-p") && err.contains("--temperature"),
+        "{err}"
+    );
+    let err = dspec_fails(&[
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        "ngram",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "1.5",
+    ]);
+    assert!(err.contains("--top-p must be in (0, 1]"), "{err}");
+}
+
 /// `--draft-ahead on` (a draft model drafting on its own thread while the target
 /// verifies; the default on GPUs only) changes the speed, never the text.
 #[test]

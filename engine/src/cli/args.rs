@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
+use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::distributed::{self, Distributed};
 use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
@@ -119,6 +120,68 @@ impl ModelArgs {
             rowwise_verify,
             verify_kernels: false,
         }
+    }
+}
+
+/// How tokens are sampled; shared by `generate` and `bench` (whose help says what it
+/// does with them).
+#[derive(Args)]
+pub struct SamplingArgs {
+    /// 0 means greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens less likely than min_p × the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The flags as sampling parameters, each checked against its range.
+    pub fn params(&self) -> Result<SamplingParams> {
+        if self.temperature < 0.0 || !self.temperature.is_finite() {
+            bail!(
+                "--temperature must be ≥ 0 (0 = greedy), got {}",
+                self.temperature
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("--top-p must be in (0, 1], got {}", self.top_p);
+        }
+        if !(0.0..1.0).contains(&self.min_p) {
+            bail!("--min-p must be in [0, 1), got {}", self.min_p);
+        }
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+        })
+    }
+
+    /// The filters given without a temperature, which greedy decoding ignores (for a
+    /// command where that is a mistake worth naming).
+    pub fn filters_without_temperature(&self) -> Vec<&'static str> {
+        if self.temperature > 0.0 {
+            return Vec::new();
+        }
+        [
+            (self.top_k != 0, "--top-k"),
+            (self.top_p != 1.0, "--top-p"),
+            (self.min_p != 0.0, "--min-p"),
+            (self.seed.is_some(), "--seed"),
+        ]
+        .into_iter()
+        .filter_map(|(given, flag)| given.then_some(flag))
+        .collect()
     }
 }
 

@@ -13,7 +13,7 @@ use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 
-use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
+use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs};
 use super::prompt::encode_prompt;
 
 #[derive(Args)]
@@ -54,6 +54,9 @@ pub struct BenchArgs {
     /// --trace`): round costs from the same process as the plain runs they compare with.
     #[arg(long)]
     trace: Option<PathBuf>,
+    // Plain sampled decoding timed beside plain greedy (the command's help says how).
+    #[command(flatten)]
+    sampling: SamplingArgs,
     #[command(flatten)]
     distributed: DistributedArgs,
 }
@@ -79,6 +82,15 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
     }
     if !args.prefill_lengths.is_empty() && args.prefill_runs == 0 {
         bail!("--prefill-lengths needs --prefill-runs of at least 1");
+    }
+    let sampling = args.sampling.params()?;
+    let ignored = args.sampling.filters_without_temperature();
+    if !ignored.is_empty() {
+        bail!(
+            "{} apply to sampled decoding, which bench times only with --temperature > 0: add --temperature (e.g. 0.7), or drop {}",
+            ignored.join(", "),
+            ignored.join(", ")
+        );
     }
     let prompts: Vec<String> = match &args.prompts {
         Some(path) => read_prompts(path)?,
@@ -125,6 +137,7 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
             warm_runs: args.prefill_runs,
             synthetic_lengths: args.prefill_lengths.clone(),
         },
+        sampled: (!sampling.is_greedy()).then_some(sampling),
     };
     if let Some(g) = group {
         // Every rank is done loading, which takes each its own time.

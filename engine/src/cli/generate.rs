@@ -9,13 +9,12 @@ use clap::Args;
 
 use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, GenerationOutput};
-use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
 use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 
-use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs};
+use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs};
 use super::prompt::encode_prompt;
 
 #[derive(Args)]
@@ -39,20 +38,8 @@ pub struct GenerateArgs {
     enable_thinking: Option<bool>,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
-    /// 0 means greedy decoding.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Drop tokens less likely than min_p × the most likely one (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Stop when this text is generated (repeatable); it is not printed.
     #[arg(long = "stop")]
     stop: Vec<String>,
@@ -95,28 +82,6 @@ fn read_prompt(args: &GenerateArgs) -> Result<String> {
     }
 }
 
-fn sampling_params(args: &GenerateArgs) -> Result<SamplingParams> {
-    if args.temperature < 0.0 || !args.temperature.is_finite() {
-        bail!(
-            "--temperature must be ≥ 0 (0 = greedy), got {}",
-            args.temperature
-        );
-    }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
-        bail!("--top-p must be in (0, 1], got {}", args.top_p);
-    }
-    if !(0.0..1.0).contains(&args.min_p) {
-        bail!("--min-p must be in [0, 1), got {}", args.min_p);
-    }
-    Ok(SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed,
-    })
-}
-
 pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
     run_joined(args.distributed.join()?, |group| {
         run_on(args, plugins, group)
@@ -127,7 +92,7 @@ pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
 /// tokens; rank 0 prints them).
 fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distributed>) -> Result<()> {
     let prompt_text = read_prompt(&args)?;
-    let mut sampling = sampling_params(&args)?;
+    let mut sampling = args.sampling.params()?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }

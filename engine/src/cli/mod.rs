@@ -39,6 +39,11 @@ pub enum Command {
     /// Generate text from a prompt.
     Generate(generate::GenerateArgs),
     /// Plain greedy vs speculative decoding on the same prompts, in one process.
+    ///
+    /// With --temperature > 0, bench also times plain sampled decoding with the sampling
+    /// flags given, in the same passes as plain greedy, and reports its tok/s and its
+    /// ratio to greedy: what the sampler costs. The speculative runs stay greedy, so that
+    /// their output can be checked against plain decoding's.
     Bench(bench::BenchArgs),
     /// How likely is a text: log-probability of a completion, rolling log-probabilities,
     /// or the next-token distribution; optionally with a LoRA adapter (--lora, --compare).
