@@ -76,7 +76,10 @@ PROMPTS = [
 SAMPLING = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]
 
 
-def run_json(cmd):
+def run_json(cmd, tries=2):
+    """The JSON a command prints, or None. A process killed by a signal (an abort) is
+    run once more, and the log says so: one crash should not empty every line that
+    depends on it, and the log keeps it for the report's reader."""
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.stderr.strip():
@@ -85,6 +88,9 @@ def run_json(cmd):
         return json.loads(out.stdout)
     except json.JSONDecodeError:
         print(f"failed (exit {out.returncode})", file=sys.stderr)
+        if out.returncode < 0 and tries > 1:
+            print(f"CRASHED (signal {-out.returncode}); running it once more", file=sys.stderr)
+            return run_json(cmd, tries - 1)
         return None
 
 
