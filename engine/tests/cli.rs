@@ -904,6 +904,40 @@ fn bench_times_sampled_plain_decoding_beside_greedy() {
     // The speculative runs stayed greedy and are checked against plain decoding.
     assert_eq!(report["all_identical"], true);
 
+    // Beside a draft model on its own thread (drafting ahead), whose runs stay exact.
+    let drafter = format!("model:{m}");
+    let args = [
+        "bench",
+        "--target",
+        m,
+        "--drafter",
+        &drafter,
+        "--draft-ahead",
+        "on",
+        "--prompts",
+        path_str(&prompts),
+        "--max-tokens",
+        "16",
+        "--prefill-runs",
+        "0",
+        "--passes",
+        "2",
+        "--temperature",
+        "0.7",
+        "--json",
+    ];
+    let out = dspec(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["report"]["all_identical"], true, "{v}");
+    assert_eq!(
+        v["report"]["sampled"]["rows"][0]["passes"]
+            .as_array()
+            .map(Vec::len),
+        Some(2),
+        "{v}"
+    );
+
     let out = bench(&["--temperature", "0.7", "--min-p", "0.1", "--passes", "1"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let table = stdout(&out);
