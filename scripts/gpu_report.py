@@ -10,7 +10,7 @@ In one invocation, on one target (and its draft model):
     so auto must fall back to plain speed), and on a long edit prompt whose answer copies
     the prompt (a rename across a long function);
   - sampled decoding (temperature 0.7, top-p 0.9) against greedy in the same passes of
-    the first `dspec bench` (`--temperature`), and 4-bit weights (`--quantize 4`) against
+    the n-gram `dspec bench` (`--temperature`), and 4-bit weights (`--quantize 4`) against
     greedy decoding run the same way (`dspec generate`, one process per prompt each);
   - verify cost per width against one decode step: the model drafting for itself, rounds
     read one by one (scripts/gpu_verify_cost.py), and rounds queued ahead with every
@@ -76,12 +76,17 @@ PROMPTS = [
 SAMPLING = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]
 
 
-def run_json(cmd, tries=2):
+def run_json(cmd, tries=2, timeout=900):
     """The JSON a command prints, or None. A process killed by a signal (an abort) is
     run once more, and the log says so: one crash should not empty every line that
-    depends on it, and the log keeps it for the report's reader."""
+    depends on it, and the log keeps it for the report's reader. One that runs past
+    `timeout` seconds (a hang) is killed and reported as such."""
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"HUNG: killed after {timeout} s", file=sys.stderr)
+        return None
     if out.stderr.strip():
         print(out.stderr.strip()[-1500:], file=sys.stderr)
     try:
@@ -229,10 +234,12 @@ def main():
 
     common, edit = prompts_file(PROMPTS), prompts_file([EDIT_PROMPT])
     dm = bench(args, f"model:{args.draft}", "auto",
-               ["--prompts", common, "--prefill-lengths", args.prefill_lengths, *SAMPLING])
+               ["--prompts", common, "--prefill-lengths", args.prefill_lengths])
     rec["draft_model_auto"] = dm
     save()
-    rec["ngram_auto"] = bench(args, "ngram", "auto", ["--prompts", common, "--prefill-runs", "0"])
+    # The sampled line rides on the n-gram bench, whose process has no draft thread.
+    rec["ngram_auto"] = bench(args, "ngram", "auto",
+                              ["--prompts", common, "--prefill-runs", "0", *SAMPLING])
     rec["ngram_edit_auto"] = bench(args, "ngram", "auto:16",
                                    ["--prompts", edit, "--prefill-runs", "0"])
     save()
@@ -286,7 +293,7 @@ def print_table(rec, peer, limit):
 
     dm, ng, edit = rec.get("draft_model_auto"), rec.get("ngram_auto"), rec.get("ngram_edit_auto")
     plain = dm["plain_tokens_per_second"] if dm else None
-    sampled = (dm or {}).get("sampled") or {}
+    sampled = (ng or {}).get("sampled") or {}
     sampled_tps = sampled.get("tokens_per_second")
     rows = [
         ("greedy (bench)", plain, peer.get("greedy"), ""),
