@@ -43,6 +43,13 @@ fn dspec_fails(args: &[&str]) -> String {
     err
 }
 
+/// `dspec bench` on `target` with `drafter`, then `extra`.
+fn bench_args<'a>(target: &'a str, drafter: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["bench", "--target", target, "--drafter", drafter];
+    args.extend_from_slice(extra);
+    args
+}
+
 fn tiny_model(overrides: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
     write_tiny_model(dir.path(), overrides, 3).expect("write tiny model");
@@ -638,11 +645,7 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
     let model = tiny_model(r#"{"max_position_embeddings": 1024}"#);
     let m = path_str(model.path());
     // `dspec bench` with the n-gram drafter and `extra`, expected to fail: its stderr.
-    let bench_fails = |extra: &[&str]| {
-        let mut args = vec!["bench", "--target", m, "--drafter", "ngram"];
-        args.extend_from_slice(extra);
-        dspec_fails(&args)
-    };
+    let bench_fails = |extra: &[&str]| dspec_fails(&bench_args(m, "ngram", extra));
     let prompts_dir = tempfile::tempdir().expect("temp dir");
     let prompts = prompts_dir.path().join("prompts.txt");
     std::fs::write(
@@ -843,34 +846,27 @@ fn bench_times_sampled_plain_decoding_beside_greedy() {
     let dir = tempfile::tempdir().expect("temp dir");
     let prompts = dir.path().join("prompts.txt");
     std::fs::write(&prompts, "the quick brown fox\n").expect("write prompts");
-    let bench = |extra: &[&str]| {
-        let mut args = vec![
-            "bench",
-            "--target",
-            m,
-            "--drafter",
-            "ngram",
-            "--prompts",
-            path_str(&prompts),
-            "--max-tokens",
-            "16",
-            "--prefill-runs",
-            "0",
-        ];
+    // One short prompt, 16 tokens, no prefill timing, then `extra`.
+    let bench = |drafter: &str, extra: &[&str]| {
+        let mut args = vec!["--prompts", path_str(&prompts)];
+        args.extend_from_slice(&["--max-tokens", "16", "--prefill-runs", "0"]);
         args.extend_from_slice(extra);
-        dspec(&args)
+        dspec(&bench_args(m, drafter, &args))
     };
-    let out = bench(&[
-        "--temperature",
-        "1.5",
-        "--top-p",
-        "0.95",
-        "--seed",
-        "7",
-        "--passes",
-        "3",
-        "--json",
-    ]);
+    let out = bench(
+        "ngram",
+        &[
+            "--temperature",
+            "1.5",
+            "--top-p",
+            "0.95",
+            "--seed",
+            "7",
+            "--passes",
+            "3",
+            "--json",
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     let report = &v["report"];
@@ -906,27 +902,18 @@ fn bench_times_sampled_plain_decoding_beside_greedy() {
 
     // Beside a draft model on its own thread (drafting ahead), whose runs stay exact.
     let drafter = format!("model:{m}");
-    let args = [
-        "bench",
-        "--target",
-        m,
-        "--drafter",
+    let out = bench(
         &drafter,
-        "--draft-ahead",
-        "on",
-        "--prompts",
-        path_str(&prompts),
-        "--max-tokens",
-        "16",
-        "--prefill-runs",
-        "0",
-        "--passes",
-        "2",
-        "--temperature",
-        "0.7",
-        "--json",
-    ];
-    let out = dspec(&args);
+        &[
+            "--draft-ahead",
+            "on",
+            "--passes",
+            "2",
+            "--temperature",
+            "0.7",
+            "--json",
+        ],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(v["report"]["all_identical"], true, "{v}");
@@ -938,7 +925,10 @@ fn bench_times_sampled_plain_decoding_beside_greedy() {
         "{v}"
     );
 
-    let out = bench(&["--temperature", "0.7", "--min-p", "0.1", "--passes", "1"]);
+    let out = bench(
+        "ngram",
+        &["--temperature", "0.7", "--min-p", "0.1", "--passes", "1"],
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let table = stdout(&out);
     assert!(
@@ -947,35 +937,21 @@ fn bench_times_sampled_plain_decoding_beside_greedy() {
         "{table}"
     );
     // Greedy: no sampled line.
-    let out = bench(&["--passes", "1", "--json"]);
+    let out = bench("ngram", &["--passes", "1", "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert!(v["report"].get("sampled").is_none(), "{v}");
     // A filter without a temperature would time nothing: refused, naming both flags.
-    let err = dspec_fails(&[
-        "bench",
-        "--target",
-        m,
-        "--drafter",
-        "ngram",
-        "--top-p",
-        "0.9",
-    ]);
+    let err = dspec_fails(&bench_args(m, "ngram", &["--top-p", "0.9"]));
     assert!(
         err.contains("--top-p") && err.contains("--temperature"),
         "{err}"
     );
-    let err = dspec_fails(&[
-        "bench",
-        "--target",
+    let err = dspec_fails(&bench_args(
         m,
-        "--drafter",
         "ngram",
-        "--temperature",
-        "0.7",
-        "--top-p",
-        "1.5",
-    ]);
+        &["--temperature", "0.7", "--top-p", "1.5"],
+    ));
     assert!(err.contains("--top-p must be in (0, 1]"), "{err}");
 }
 
