@@ -327,31 +327,36 @@ pub fn run_bench(
     let mut spec_runs: Vec<Vec<SpeculativeOutput>> = prompts.iter().map(|_| Vec::new()).collect();
     for pass in 0..passes {
         let sampled = sampled_config(pass as u64);
+        // Sampled sits in the middle, next to plain greedy either way round.
+        let order = match pass % 2 {
+            0 => [Run::Plain, Run::Sampled, Run::Speculative],
+            _ => [Run::Speculative, Run::Sampled, Run::Plain],
+        };
         for (i, prompt) in prompts.iter().enumerate() {
-            let plain_first = pass % 2 == 0;
-            let mut plain_and_sampled = |plain_first: bool| -> Result<(), EngineError> {
-                if plain_first {
-                    plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
+            for run in order {
+                match (run, &sampled) {
+                    (Run::Plain, _) => plain_runs[i].push(generate(
+                        model,
+                        tokenizer,
+                        prompt,
+                        &config,
+                        &mut |_| {},
+                    )?),
+                    (Run::Sampled, Some(sampled)) => sampled_runs[i].push(generate(
+                        model,
+                        tokenizer,
+                        prompt,
+                        sampled,
+                        &mut |_| {},
+                    )?),
+                    (Run::Sampled, None) => {}
+                    (Run::Speculative, _) => spec_runs[i].push(speculative(
+                        &mut *drafter,
+                        prompt,
+                        &config,
+                        trace.as_mut().map(|t| &mut **t as &mut dyn Write),
+                    )?),
                 }
-                if let Some(sampled) = &sampled {
-                    sampled_runs[i].push(generate(model, tokenizer, prompt, sampled, &mut |_| {})?);
-                }
-                if !plain_first {
-                    plain_runs[i].push(generate(model, tokenizer, prompt, &config, &mut |_| {})?);
-                }
-                Ok(())
-            };
-            if plain_first {
-                plain_and_sampled(true)?;
-            }
-            spec_runs[i].push(speculative(
-                &mut *drafter,
-                prompt,
-                &config,
-                trace.as_mut().map(|t| &mut **t as &mut dyn Write),
-            )?);
-            if !plain_first {
-                plain_and_sampled(false)?;
             }
         }
     }
@@ -370,11 +375,10 @@ pub fn run_bench(
             .iter()
             .map(|s| s.stats.decode_tokens_per_second)
             .collect();
-        let pairs: Vec<(DecodeRun, DecodeRun)> = plains
-            .iter()
-            .zip(&specs)
-            .map(|(p, s)| (DecodeRun::of(&p.stats), DecodeRun::of(&s.stats)))
-            .collect();
+        let pairs = paired_runs(
+            plains.iter().map(|p| &p.stats),
+            specs.iter().map(|s| &s.stats),
+        );
         let speedup = paired_ratio(&[pairs.as_slice()]);
         paired_passes.push(pairs);
         let plain = median_pass(plains, |p| p.stats.decode_seconds);
@@ -452,11 +456,10 @@ fn sampled_report(
         .iter()
         .zip(&sampled_runs)
         .map(|(plains, sampled)| {
-            plains
-                .iter()
-                .zip(sampled)
-                .map(|(p, s)| (DecodeRun::of(&p.stats), DecodeRun::of(&s.stats)))
-                .collect()
+            paired_runs(
+                plains.iter().map(|p| &p.stats),
+                sampled.iter().map(|s| &s.stats),
+            )
         })
         .collect();
     let rows: Vec<SampledRow> = sampled_runs
@@ -544,6 +547,25 @@ pub fn measure_prefill(
         warm_runs: plan.warm_runs,
         rows,
     })
+}
+
+/// The runs of one prompt in a pass, in the order [`run_bench`] runs them.
+#[derive(Clone, Copy)]
+enum Run {
+    Plain,
+    Sampled,
+    Speculative,
+}
+
+/// Two runs of each pass side by side, pass by pass.
+fn paired_runs<'a>(
+    first: impl Iterator<Item = &'a GenerationStats>,
+    second: impl Iterator<Item = &'a GenerationStats>,
+) -> Vec<(DecodeRun, DecodeRun)> {
+    first
+        .zip(second)
+        .map(|(a, b)| (DecodeRun::of(a), DecodeRun::of(b)))
+        .collect()
 }
 
 /// What one run decoded: tokens after the first, and the seconds they took.

@@ -137,7 +137,7 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
             warm_runs: args.prefill_runs,
             synthetic_lengths: args.prefill_lengths.clone(),
         },
-        sampled: (!sampling.is_greedy()).then_some(sampling),
+        sampled: Some(sampling),
     };
     if let Some(g) = group {
         // Every rank is done loading, which takes each its own time.
