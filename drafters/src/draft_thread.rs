@@ -20,9 +20,10 @@
 //! a whole forward ([`DraftThread::spawn`] does it) before it moves.
 
 use std::ops::Range;
-use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::ops::{concatenate, eq, sum};
@@ -33,6 +34,12 @@ use dspec_adapters::attention::{
 };
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{Agreement, DraftAhead, ModelCache, TargetModel};
+
+/// How long dropping a [`DraftThread`] waits for the thread to end. It ends within its
+/// current step, so this is only reached when that step never returns: after a failure
+/// on the device (a CUDA error is sticky: the context's later work never completes, and
+/// MLX waits on it), where the caller's error must still reach the user.
+const END_WAIT: Duration = Duration::from_secs(10);
 
 /// Longest prompt slice fed to the draft model in one forward while starting.
 const PREFILL_CHUNK: usize = 512;
@@ -117,6 +124,8 @@ pub struct DraftThread {
     /// Replies not yet collected (a `begin` does not wait for its own).
     outstanding: usize,
     handle: Option<JoinHandle<()>>,
+    /// Disconnected when the thread has ended (its sender dropped last).
+    ended: Receiver<()>,
     /// The model's guesses checked against committed tokens, added up by the thread.
     agreement: Arc<Mutex<Agreement>>,
 }
@@ -147,6 +156,7 @@ impl DraftThread {
         let vocab = vocab.min(model.info().vocab_size) as i32;
         let agreement = Arc::new(Mutex::new(Agreement::default()));
         let counted = Arc::clone(&agreement);
+        let (ending, ended) = channel::<()>();
         let handle = std::thread::Builder::new()
             .name("dspec-draft".into())
             .spawn(move || {
@@ -154,7 +164,8 @@ impl DraftThread {
                     Chain::new(model, vocab, ahead, max_new_tokens, counted),
                     inbox,
                     outbox,
-                )
+                );
+                drop(ending);
             })
             .map_err(|e| {
                 ModelError::Unsupported(format!("starting the draft model's thread: {e}"))
@@ -164,6 +175,7 @@ impl DraftThread {
             replies,
             outstanding: 0,
             handle: Some(handle),
+            ended,
             agreement,
         })
     }
@@ -268,10 +280,14 @@ impl DraftThread {
 
 impl Drop for DraftThread {
     fn drop(&mut self) {
-        // Closing the channel ends the thread after its current step.
+        // Closing the channel ends the thread after its current step; waiting for it
+        // frees the model's memory before this returns. A thread stuck past
+        // `END_WAIT` is left behind rather than waited on forever.
         self.requests = None;
         if let Some(handle) = self.handle.take() {
-            let _ = handle.join();
+            if self.ended.recv_timeout(END_WAIT) != Err(RecvTimeoutError::Timeout) {
+                let _ = handle.join();
+            }
         }
     }
 }
@@ -315,6 +331,8 @@ struct Chain {
     model: Box<dyn TargetModel>,
     cache: ModelCache,
     vocab: i32,
+    /// Rows of the model's embedding: ids from here on are the target's alone.
+    rows: u32,
     /// The sequence's first tokens as ids...
     host: Vec<u32>,
     /// ...and the rest, the model's argmax tokens still on the device (`[1]` each).
@@ -356,10 +374,12 @@ impl Chain {
     ) -> Self {
         let mut cache = model.new_cache();
         cache.set_rollback_window(ROLLBACK_WINDOW);
+        let rows = model.info().vocab_size as u32;
         Self {
             model,
             cache,
             vocab,
+            rows,
             host: Vec::new(),
             lazy: Vec::new(),
             fed: 0,
@@ -503,11 +523,9 @@ impl Chain {
     /// (on the device; read by [`Self::count_checks`]).
     fn read(&mut self, tokens: &[u32], start: usize, sequence: &[u32]) -> Result<Array> {
         let n = tokens.len();
-        let out = self.model.forward(
-            &Array::from_slice(tokens, &[1, n as i32]),
-            &mut self.cache,
-            &[],
-        )?;
+        let out = self
+            .model
+            .forward(&self.input(tokens), &mut self.cache, &[])?;
         let logits = out.logits.try_index((0, .., ..self.vocab))?;
         let first = self.checking.start.max(start + 1);
         let end = self.checking.end.min(start + n + 1).min(sequence.len());
@@ -629,9 +647,9 @@ impl Chain {
             _ => PREFILL_CHUNK,
         };
         for chunk in prompt[kept..].chunks(piece) {
-            let tokens = Array::from_slice(chunk, &[1, chunk.len() as i32]);
             // Only the cache is wanted: the logits stay unevaluated.
-            self.model.forward(&tokens, &mut self.cache, &[])?;
+            self.model
+                .forward(&self.input(chunk), &mut self.cache, &[])?;
             mlx_rs::transforms::eval(self.cache.state())?;
         }
         if kept == 0 && whole_buffer_pays() {
@@ -640,11 +658,9 @@ impl Chain {
             // built now, while the target reads the prompt, not at the first catch-up.
             // Two throwaway positions, trimmed again.
             if let Some(&last) = prompt.last() {
-                let out = self.model.forward(
-                    &Array::from_slice(&[last, last], &[1, 2]),
-                    &mut self.cache,
-                    &[],
-                )?;
+                let out = self
+                    .model
+                    .forward(&self.input(&[last, last]), &mut self.cache, &[])?;
                 out.logits.eval()?;
                 self.cache.trim(2)?;
             }
@@ -741,11 +757,26 @@ impl Chain {
         }
         let last = match self.lazy.last() {
             Some(id) => id.reshape(&[1, 1])?,
-            None => Array::from_slice(&self.host[self.host.len() - 1..], &[1, 1]),
+            None => self.input(&self.host[self.host.len() - 1..]),
         };
         let logits = self.step(&last)?;
         self.fed += 1;
         self.push_argmax(&logits)
+    }
+
+    /// `tokens` as the model's input, `[1, n]`. The target may commit ids the draft model
+    /// has no embedding row for (its vocabulary is padded further: Qwen2.5-7B's has 128
+    /// rows more than Qwen2.5-0.5B's, ids no tokenizer produces and trained weights
+    /// never pick, but random ones do). Looking one up would read past the embedding
+    /// (on CUDA, an illegal memory access that ends the process), so each is read as the
+    /// model's last row: what follows is drafted from a token that stands in for it, and
+    /// the target verifies those drafts like any others.
+    fn input(&self, tokens: &[u32]) -> Array {
+        let ids: Vec<u32> = tokens
+            .iter()
+            .map(|&id| if id < self.rows { id } else { self.rows - 1 })
+            .collect();
+        Array::from_slice(&ids, &[1, ids.len() as i32])
     }
 
     /// The model's last-position logits for `tokens` fed after the cache, `[1, V]`.
@@ -905,6 +936,32 @@ mod tests {
         let expected = whole
             .draft(vec![committed[committed.len() - 1]], 0, 4)
             .expect("whole")
+            .tokens;
+        assert_eq!(drafts, expected);
+    }
+
+    /// Ids the target commits that the draft model has no embedding row for (a target
+    /// vocabulary padded further) are read as the model's last row, in a prompt, a piece
+    /// fed in the background and a round alike: the drafts are those after that row's id.
+    #[test]
+    fn ids_past_the_draft_vocabulary_read_as_its_last_row() {
+        let dir = model_dir(37);
+        let last = 96;
+        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        // The target's vocabulary has 128 ids more than the draft model's 97.
+        let mut wide = DraftThread::spawn(model, 97 + 128, DraftAhead::On, None).expect("spawn");
+        wide.begin(&[3, 150, 14]).expect("begin");
+        wide.draft(vec![97], 0, 2).expect("a first round");
+        wide.feed(vec![200, 15, 97 + 127, 9], 0).expect("a piece");
+        let drafts = wide.draft(vec![224, 35], 0, 4).expect("a round").tokens;
+        assert!(drafts.iter().all(|&t| t < 97), "{drafts:?}");
+
+        let mut narrow = spawn_unstarted(&dir, DraftAhead::Off);
+        narrow.begin(&[3, last, 14]).expect("begin");
+        narrow.draft(vec![last], 0, 2).expect("a first round");
+        let expected = narrow
+            .draft(vec![last, 15, last, 9, last, 35], 0, 4)
+            .expect("stand-ins")
             .tokens;
         assert_eq!(drafts, expected);
     }
