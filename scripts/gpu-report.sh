@@ -8,7 +8,8 @@
 #        bash scripts/gpu-report.sh --random NAME [ARGS...]   random weights of .gpu/bench/NAME's
 #            shapes as the target, of qwen05's as the draft (speed depends on shapes, not values),
 #            and for the kept-drafts verify lines the same shapes with residual-scaled weights
-# Results: $OUT/report-*.json and the table on stdout.
+# Results: $OUT/report-*.json and the table on stdout; a hung dspec process leaves its
+# threads' stacks in $OUT/stall-N.json, a crashed one its backtrace in $OUT/crash-N.txt.
 set -euo pipefail
 OUT=${OUT:-/tmp/gpu-report}
 mkdir -p "$OUT"
@@ -19,6 +20,14 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 [ -x /tmp/dspec ] || { xz -dc .gpu/bench/dspec.xz > /tmp/dspec && chmod +x /tmp/dspec; }
 /tmp/dspec --version
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+# Crash backtraces of the dspec processes (scripts/crash_backtrace.c): built here where
+# there is a compiler, else the one carried in .gpu/.
+shim=()
+if command -v gcc > /dev/null && gcc -O2 -shared -fPIC -o /tmp/crash_backtrace.so scripts/crash_backtrace.c; then
+  shim=(--crash-shim /tmp/crash_backtrace.so)
+elif [ -f .gpu/crash_backtrace.so ]; then
+  shim=(--crash-shim "$PWD/.gpu/crash_backtrace.so")
+fi
 kept=()
 if [ "$1" = "--random" ]; then
   name=$2; shift 2
@@ -32,4 +41,4 @@ else
   target=$1 draft=$2; shift 2
 fi
 python3 scripts/gpu_report.py --dspec /tmp/dspec --target "$target" --draft "$draft" \
-    --json-out "$OUT/report-$(basename "$target").json" "${kept[@]}" "$@" 2> "$OUT/report-$(basename "$target").log"
+    --json-out "$OUT/report-$(basename "$target").json" "${kept[@]}" "${shim[@]}" "$@" 2> "$OUT/report-$(basename "$target").log"

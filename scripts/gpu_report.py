@@ -24,7 +24,7 @@ Prints one table with the physical limit of plain decoding, writes JSON after ea
 
 Usage: python3 scripts/gpu_report.py --dspec BIN --target DIR --draft DIR [--json-out F]
            [--prefill-lengths 1024,4096,16384] [--widths 2,4,8,16] [--kept-passes 7]
-           [--kept-target DIR] [--skip-mlx-lm]
+           [--kept-target DIR] [--skip-mlx-lm] [--crash-shim crash_backtrace.so]
 """
 
 import argparse
@@ -76,26 +76,48 @@ PROMPTS = [
 SAMPLING = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]
 
 
+# Where each dspec process's stall stacks and crash backtraces go (main() sets it).
+EVIDENCE_DIR = tempfile.gettempdir()
+CRASH_SHIM = None
+RUNS = 0
+
+
 def run_json(cmd, tries=2, timeout=900):
     """The JSON a command prints, or None. A process killed by a signal (an abort) is
     run once more, and the log says so: one crash should not empty every line that
     depends on it, and the log keeps it for the report's reader. One that runs past
-    `timeout` seconds (a hang) is killed and reported as such."""
-    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        print(f"HUNG: killed after {timeout} s", file=sys.stderr)
-        return None
+    `timeout` seconds (a hang) is killed and reported as such.
+
+    Every command runs under scripts/stall_stacks.py, so a hang leaves where its threads
+    were (EVIDENCE_DIR/stall-N.json); with --crash-shim, a crash leaves the dying
+    thread's backtrace in EVIDENCE_DIR/crash-N.txt."""
+    global RUNS
+    RUNS += 1
+    stall = os.path.join(EVIDENCE_DIR, f"stall-{RUNS}.json")
+    crash = os.path.join(EVIDENCE_DIR, f"crash-{RUNS}.txt")
+    env = dict(os.environ)
+    if CRASH_SHIM:
+        env.update(LD_PRELOAD=CRASH_SHIM, CRASH_BACKTRACE_FILE=crash)
+    wrapped = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                            "stall_stacks.py"),
+               "--after", str(timeout), "--json-out", stall, "--", *cmd]
+    print(f"+ [run {RUNS}] " + " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(wrapped, capture_output=True, text=True, env=env)
     if out.stderr.strip():
         print(out.stderr.strip()[-1500:], file=sys.stderr)
+    if out.returncode == 124 and os.path.exists(stall):
+        print(f"HUNG: killed after {timeout} s; its threads' stacks are in {stall}",
+              file=sys.stderr)
+        return None
     try:
         return json.loads(out.stdout)
     except json.JSONDecodeError:
         print(f"failed (exit {out.returncode})", file=sys.stderr)
+        if os.path.exists(crash) and os.path.getsize(crash) > 0:
+            print(f"its crash backtrace is in {crash}", file=sys.stderr)
         if out.returncode < 0 and tries > 1:
             print(f"CRASHED (signal {-out.returncode}); running it once more", file=sys.stderr)
-            return run_json(cmd, tries - 1)
+            return run_json(cmd, tries - 1, timeout)
         return None
 
 
@@ -224,7 +246,13 @@ def main():
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-verify", action="store_true")
     ap.add_argument("--json-out")
+    ap.add_argument("--crash-shim", help="scripts/crash_backtrace.c built as a shared "
+                    "library: preloaded into every dspec process, for crash backtraces")
     args = ap.parse_args()
+    global EVIDENCE_DIR, CRASH_SHIM
+    if args.json_out:
+        EVIDENCE_DIR = os.path.dirname(os.path.abspath(args.json_out))
+    CRASH_SHIM = args.crash_shim
     rec = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens}
 
     def save():

@@ -181,6 +181,10 @@ def main():
         code = child.wait(timeout=args.after)
         print(f"stall_stacks: the command ended (exit {code}) within {args.after:.0f} s",
               file=sys.stderr)
+        if code < 0:
+            # Killed by a signal: end the same way, so that the caller sees which.
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
         sys.exit(code)
     except subprocess.TimeoutExpired:
         pass
