@@ -774,7 +774,13 @@ impl Chain {
     fn input(&self, tokens: &[u32]) -> Array {
         let ids: Vec<u32> = tokens
             .iter()
-            .map(|&id| if id < self.rows { id } else { self.rows - 1 })
+            .map(|&id| {
+                if id < self.rows {
+                    id
+                } else {
+                    self.rows.saturating_sub(1)
+                }
+            })
             .collect();
         Array::from_slice(&ids, &[1, ids.len() as i32])
     }

@@ -21,6 +21,10 @@ pub enum EngineError {
     #[error("the prompt is empty after tokenization; give a non-empty --prompt")]
     EmptyPrompt,
     #[error(
+        "the prompt has token id {id}, past the model's {rows} embedding rows (config.json's vocab_size): its tokenizer.json knows more tokens than the model has; use the tokenizer that came with the checkpoint"
+    )]
+    TokenPastVocabulary { id: u32, rows: usize },
+    #[error(
         "the prompt has {prompt} tokens but the model's context is {limit}; shorten the prompt"
     )]
     PromptTooLong { prompt: usize, limit: usize },

@@ -7,6 +7,7 @@ use mlx_rs::Array;
 
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::error::EngineError;
 use dspec_engine::loading::{builtin_registry, load_model};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{LoadOptions, TargetModel};
@@ -238,4 +239,43 @@ fn sampled_generation_is_reproducible_by_seed() {
             "top-p {top_p}: sampling is not greedy"
         );
     }
+}
+
+/// A prompt id past the model's embedding rows (a tokenizer that knows more tokens than
+/// its model) is refused with an error naming it, before anything is looked up; ids
+/// within the rows generate.
+#[test]
+fn prompt_ids_past_the_embedding_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // The tokenizer keeps its 267 tokens; the model gets 200 embedding rows.
+    write_tiny_model(dir.path(), r#"{"vocab_size": 200}"#, 5).unwrap();
+    let loaded = load_model(
+        dir.path().to_str().unwrap(),
+        &builtin_registry().unwrap(),
+        &LoadOptions::default(),
+        false,
+    )
+    .unwrap();
+    let config = GenerationConfig {
+        max_tokens: 4,
+        sampling: SamplingParams::default(),
+        stop_strings: vec![],
+        eos_ids: vec![],
+    };
+    let run = |prompt: &[u32]| {
+        generate(
+            loaded.model.as_ref(),
+            &loaded.tokenizer,
+            prompt,
+            &config,
+            &mut |_| {},
+        )
+    };
+    let err = run(&[5, 250, 7]).unwrap_err();
+    assert!(
+        matches!(err, EngineError::TokenPastVocabulary { id: 250, rows: 200 }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("tokenizer"), "{err}");
+    assert_eq!(run(&[5, 199, 7]).unwrap().tokens.len(), 4);
 }

@@ -116,6 +116,18 @@ pub struct GenerationOutput {
     pub stats: GenerationStats,
 }
 
+/// Refuses a prompt with an id the model has no embedding row for: looking it up would
+/// read past the embedding (on CUDA, an illegal memory access, after which the process's
+/// GPU work never completes). Tokenizers that know more tokens than their model's
+/// vocabulary exist; the ids come from the tokenizer, so this is checked on the host.
+pub fn check_prompt_ids(model: &dyn TargetModel, prompt: &[u32]) -> Result<(), EngineError> {
+    let rows = model.info().vocab_size;
+    match prompt.iter().find(|&&id| id as usize >= rows) {
+        Some(&id) => Err(EngineError::TokenPastVocabulary { id, rows }),
+        None => Ok(()),
+    }
+}
+
 /// Feeds `prompt` through the model (in chunks), returning the last position's logits.
 pub fn prefill(
     model: &dyn TargetModel,
@@ -136,6 +148,7 @@ pub fn prefill_with_taps(
     let Some((&final_token, head)) = prompt.split_last() else {
         return Err(EngineError::EmptyPrompt);
     };
+    check_prompt_ids(model, prompt)?;
     // All but the last token fill the cache (and the taps) only: their logits are never
     // evaluated, so the vocabulary projection of the prompt is never computed.
     let mut hidden = Vec::new();

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use dspec_adapters::lora::LoraSwitch;
 use dspec_plugin_api::{ModelCache, TargetModel};
 
+use crate::decoding::generate::check_prompt_ids;
 use crate::error::EngineError;
 use crate::loading::{LoadedLora, LoadedModel};
 use crate::text::tokenizer::TextTokenizer;
@@ -352,6 +353,7 @@ impl Scorer {
             ids.push(bos);
         }
         ids.extend(self.tokenizer.encode(text, false)?);
+        check_prompt_ids(self.model.as_ref(), &ids)?;
         Ok(ids)
     }
 
