@@ -5,10 +5,10 @@
 use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::Array;
 
-use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
+use dspec_engine::decoding::generate::{generate, GenerationConfig, GenerationOutput, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::error::EngineError;
-use dspec_engine::loading::{builtin_registry, load_model};
+use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{LoadOptions, TargetModel};
 
@@ -24,21 +24,42 @@ fn reference_greedy(model: &dyn TargetModel, prompt: &[u32], steps: usize) -> Ve
     seq[prompt.len()..].to_vec()
 }
 
+/// A tiny model written with `overrides` and `seed`, loaded with the default options.
+fn load_tiny(overrides: &str, seed: u64) -> (tempfile::TempDir, LoadedModel) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), overrides, seed).unwrap();
+    let loaded = load_model(
+        dir.path().to_str().unwrap(),
+        &builtin_registry().unwrap(),
+        &LoadOptions::default(),
+        false,
+    )
+    .unwrap();
+    (dir, loaded)
+}
+
+/// Plain decoding of `prompt` under `config`, streamed pieces dropped.
+fn run(
+    loaded: &LoadedModel,
+    prompt: &[u32],
+    config: &GenerationConfig,
+) -> Result<GenerationOutput, EngineError> {
+    generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        prompt,
+        config,
+        &mut |_| {},
+    )
+}
+
 #[test]
 fn greedy_generation_equals_uncached_argmax_decoding() {
     for overrides in [
         "{}",
         r#"{"model_type": "gemma2", "head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 50.0}"#,
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        write_tiny_model(dir.path(), overrides, 5).unwrap();
-        let loaded = load_model(
-            dir.path().to_str().unwrap(),
-            &builtin_registry().unwrap(),
-            &LoadOptions::default(),
-            false,
-        )
-        .unwrap();
+        let (_dir, loaded) = load_tiny(overrides, 5);
         let prompt = loaded
             .tokenizer
             .encode_prompt("A prompt of some length", false)
@@ -75,15 +96,7 @@ fn greedy_generation_equals_uncached_argmax_decoding() {
 
 #[test]
 fn generation_stops_on_an_eos_id_without_emitting_it() {
-    let dir = tempfile::tempdir().unwrap();
-    write_tiny_model(dir.path(), "{}", 5).unwrap();
-    let loaded = load_model(
-        dir.path().to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap();
+    let (_dir, loaded) = load_tiny("{}", 5);
     let prompt = loaded.tokenizer.encode_prompt("Stop here", false).unwrap();
     let expected = reference_greedy(loaded.model.as_ref(), &prompt, 6);
     // Declare the 4th greedy token an EOS: generation must end right there.
@@ -93,14 +106,7 @@ fn generation_stops_on_an_eos_id_without_emitting_it() {
         stop_strings: vec![],
         eos_ids: vec![expected[3]],
     };
-    let out = generate(
-        loaded.model.as_ref(),
-        &loaded.tokenizer,
-        &prompt,
-        &config,
-        &mut |_| {},
-    )
-    .unwrap();
+    let out = run(&loaded, &prompt, &config).unwrap();
     let first_eos = expected.iter().position(|&t| t == expected[3]).unwrap();
     assert_eq!(out.stats.stop_reason, StopReason::Eos);
     assert_eq!(out.tokens, expected[..=first_eos].to_vec());
@@ -190,17 +196,9 @@ fn sharded_checkpoint_loads_like_a_single_file() {
 /// is checked in speculative_sampling.rs.)
 #[test]
 fn sampled_generation_is_reproducible_by_seed() {
-    let dir = tempfile::tempdir().unwrap();
-    write_tiny_model(dir.path(), "{}", 5).unwrap();
-    let loaded = load_model(
-        dir.path().to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap();
+    let (_dir, loaded) = load_tiny("{}", 5);
     let prompt = loaded.tokenizer.encode_prompt("Sample me", false).unwrap();
-    let run = |seed: Option<u64>, top_p: f32| {
+    let sample = |seed: Option<u64>, top_p: f32| {
         let config = GenerationConfig {
             max_tokens: 30,
             sampling: SamplingParams {
@@ -212,25 +210,18 @@ fn sampled_generation_is_reproducible_by_seed() {
             stop_strings: vec![],
             eos_ids: vec![],
         };
-        let out = generate(
-            loaded.model.as_ref(),
-            &loaded.tokenizer,
-            &prompt,
-            &config,
-            &mut |_| {},
-        )
-        .unwrap();
+        let out = run(&loaded, &prompt, &config).unwrap();
         assert_eq!(out.tokens.len(), 30);
         assert_eq!(out.stats.stop_reason, StopReason::MaxTokens);
         out.tokens
     };
     for top_p in [1.0, 0.9] {
-        let first = run(Some(1), top_p);
-        assert_eq!(first, run(Some(1), top_p), "top-p {top_p}: same seed");
-        assert_ne!(first, run(Some(2), top_p), "top-p {top_p}: another seed");
+        let first = sample(Some(1), top_p);
+        assert_eq!(first, sample(Some(1), top_p), "top-p {top_p}: same seed");
+        assert_ne!(first, sample(Some(2), top_p), "top-p {top_p}: another seed");
         assert_ne!(
-            run(None, top_p),
-            run(None, top_p),
+            sample(None, top_p),
+            sample(None, top_p),
             "top-p {top_p}: OS seeds"
         );
         assert_ne!(
@@ -246,36 +237,20 @@ fn sampled_generation_is_reproducible_by_seed() {
 /// within the rows generate.
 #[test]
 fn prompt_ids_past_the_embedding_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
     // The tokenizer keeps its 267 tokens; the model gets 200 embedding rows.
-    write_tiny_model(dir.path(), r#"{"vocab_size": 200}"#, 5).unwrap();
-    let loaded = load_model(
-        dir.path().to_str().unwrap(),
-        &builtin_registry().unwrap(),
-        &LoadOptions::default(),
-        false,
-    )
-    .unwrap();
+    let (_dir, loaded) = load_tiny(r#"{"vocab_size": 200}"#, 5);
     let config = GenerationConfig {
         max_tokens: 4,
         sampling: SamplingParams::default(),
         stop_strings: vec![],
         eos_ids: vec![],
     };
-    let run = |prompt: &[u32]| {
-        generate(
-            loaded.model.as_ref(),
-            &loaded.tokenizer,
-            prompt,
-            &config,
-            &mut |_| {},
-        )
-    };
-    let err = run(&[5, 250, 7]).unwrap_err();
+    let err = run(&loaded, &[5, 250, 7], &config).unwrap_err();
     assert!(
         matches!(err, EngineError::TokenPastVocabulary { id: 250, rows: 200 }),
         "{err}"
     );
     assert!(err.to_string().contains("tokenizer"), "{err}");
-    assert_eq!(run(&[5, 199, 7]).unwrap().tokens.len(), 4);
+    let out = run(&loaded, &[5, 199, 7], &config).unwrap();
+    assert_eq!(out.tokens.len(), 4);
 }
