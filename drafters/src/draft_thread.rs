@@ -331,8 +331,6 @@ struct Chain {
     model: Box<dyn TargetModel>,
     cache: ModelCache,
     vocab: i32,
-    /// Rows of the model's embedding: ids from here on are the target's alone.
-    rows: u32,
     /// The sequence's first tokens as ids...
     host: Vec<u32>,
     /// ...and the rest, the model's argmax tokens still on the device (`[1]` each).
@@ -374,12 +372,10 @@ impl Chain {
     ) -> Self {
         let mut cache = model.new_cache();
         cache.set_rollback_window(ROLLBACK_WINDOW);
-        let rows = model.info().vocab_size as u32;
         Self {
             model,
             cache,
             vocab,
-            rows,
             host: Vec::new(),
             lazy: Vec::new(),
             fed: 0,
@@ -772,16 +768,8 @@ impl Chain {
     /// model's last row: what follows is drafted from a token that stands in for it, and
     /// the target verifies those drafts like any others.
     fn input(&self, tokens: &[u32]) -> Array {
-        let ids: Vec<u32> = tokens
-            .iter()
-            .map(|&id| {
-                if id < self.rows {
-                    id
-                } else {
-                    self.rows.saturating_sub(1)
-                }
-            })
-            .collect();
+        let last_row = (self.model.info().vocab_size as u32).saturating_sub(1);
+        let ids: Vec<u32> = tokens.iter().map(|&id| id.min(last_row)).collect();
         Array::from_slice(&ids, &[1, ids.len() as i32])
     }
 
