@@ -460,9 +460,14 @@ fn auto_draft_length_decodes_plainly_while_drafts_fail() {
         "most rounds run without drafts: {:?}",
         s.draft_histogram
     );
+    // Probes keep measuring acceptance: at least three rounds with drafts besides the
+    // warm-up. A probe is one draft more than the best length, so it is one draft while
+    // plain steps win; a loaded machine can time plain steps dear for a while, make one
+    // draft the best, and turn a probe into two or three.
+    let drafted_rounds: usize = s.draft_histogram[1..].iter().sum();
     assert!(
-        s.draft_histogram[1] >= 3,
-        "one-draft probes keep measuring acceptance: {:?}",
+        drafted_rounds > 3,
+        "probes keep measuring acceptance: {:?}",
         s.draft_histogram
     );
     // The warm-up drafts the maximum, and ends with its first round that keeps nothing;
