@@ -10,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_report import MlxLmPeer, run_json  # noqa: E402
+from gpu_report import MlxLmPeer, Runner  # noqa: E402
 
 
 def main():
@@ -19,8 +19,8 @@ def main():
     ap.add_argument("--target", required=True)
     ap.add_argument("--lengths", default="1024,4096")
     args = ap.parse_args()
-    report = run_json([args.dspec, "bench", "--target", args.target, "--drafter", "ngram",
-                       "--max-tokens", "4", "--prefill-lengths", args.lengths, "--json"])
+    report = Runner().json([args.dspec, "bench", "--target", args.target, "--drafter", "ngram",
+                            "--max-tokens", "4", "--prefill-lengths", args.lengths, "--json"])
     rows = [r for r in report["report"]["prefill"]["rows"] if r.get("prompt") is None]
     ids = [r["prompt_ids"] for r in report["report"]["rows"]]
     pool = sum(ids, [])

@@ -77,63 +77,67 @@ SAMPLING = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]
 
 
 # Where each dspec process's stall stacks and crash backtraces go (main() sets it).
-EVIDENCE_DIR = tempfile.gettempdir()
-CRASH_SHIM = None
-RUNS = 0
+class Runner:
+    """Runs the dspec processes of a report, numbered in order, and keeps the evidence of
+    any that hung or crashed in `evidence_dir` (default: the temporary directory)."""
+
+    def __init__(self, evidence_dir=None, crash_shim=None):
+        self.evidence_dir = evidence_dir or tempfile.gettempdir()
+        self.crash_shim = crash_shim
+        self.runs = 0
+
+    def json(self, cmd, tries=2, timeout=900):
+        """The JSON a command prints, or None. A process killed by a signal (an abort) is
+        run once more, and the log says so: one crash should not empty every line that
+        depends on it, and the log keeps it for the report's reader. One that runs past
+        `timeout` seconds (a hang) is killed and reported as such.
+
+        Every command runs under scripts/stall_stacks.py, so a hang leaves where its
+        threads were (stall-N.json); with a crash shim, a crash leaves the dying thread's
+        backtrace in crash-N.txt."""
+        self.runs += 1
+        stall = os.path.join(self.evidence_dir, f"stall-{self.runs}.json")
+        crash = os.path.join(self.evidence_dir, f"crash-{self.runs}.txt")
+        env = dict(os.environ)
+        if self.crash_shim:
+            env.update(LD_PRELOAD=self.crash_shim, CRASH_BACKTRACE_FILE=crash)
+        wrapped = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                "stall_stacks.py"),
+                   "--after", str(timeout), "--json-out", stall, "--", *cmd]
+        print(f"+ [run {self.runs}] " + " ".join(cmd), file=sys.stderr, flush=True)
+        out = subprocess.run(wrapped, capture_output=True, text=True, env=env)
+        if out.stderr.strip():
+            print(out.stderr.strip()[-1500:], file=sys.stderr)
+        if out.returncode == 124 and os.path.exists(stall):
+            print(f"HUNG: killed after {timeout} s; its threads' stacks are in {stall}",
+                  file=sys.stderr)
+            return None
+        try:
+            return json.loads(out.stdout)
+        except json.JSONDecodeError:
+            print(f"failed (exit {out.returncode})", file=sys.stderr)
+            if os.path.exists(crash) and os.path.getsize(crash) > 0:
+                print(f"its crash backtrace is in {crash}", file=sys.stderr)
+            if out.returncode < 0 and tries > 1:
+                print(f"CRASHED (signal {-out.returncode}); running it once more",
+                      file=sys.stderr)
+                return self.json(cmd, tries - 1, timeout)
+            return None
 
 
-def run_json(cmd, tries=2, timeout=900):
-    """The JSON a command prints, or None. A process killed by a signal (an abort) is
-    run once more, and the log says so: one crash should not empty every line that
-    depends on it, and the log keeps it for the report's reader. One that runs past
-    `timeout` seconds (a hang) is killed and reported as such.
-
-    Every command runs under scripts/stall_stacks.py, so a hang leaves where its threads
-    were (EVIDENCE_DIR/stall-N.json); with --crash-shim, a crash leaves the dying
-    thread's backtrace in EVIDENCE_DIR/crash-N.txt."""
-    global RUNS
-    RUNS += 1
-    stall = os.path.join(EVIDENCE_DIR, f"stall-{RUNS}.json")
-    crash = os.path.join(EVIDENCE_DIR, f"crash-{RUNS}.txt")
-    env = dict(os.environ)
-    if CRASH_SHIM:
-        env.update(LD_PRELOAD=CRASH_SHIM, CRASH_BACKTRACE_FILE=crash)
-    wrapped = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                            "stall_stacks.py"),
-               "--after", str(timeout), "--json-out", stall, "--", *cmd]
-    print(f"+ [run {RUNS}] " + " ".join(cmd), file=sys.stderr, flush=True)
-    out = subprocess.run(wrapped, capture_output=True, text=True, env=env)
-    if out.stderr.strip():
-        print(out.stderr.strip()[-1500:], file=sys.stderr)
-    if out.returncode == 124 and os.path.exists(stall):
-        print(f"HUNG: killed after {timeout} s; its threads' stacks are in {stall}",
-              file=sys.stderr)
-        return None
-    try:
-        return json.loads(out.stdout)
-    except json.JSONDecodeError:
-        print(f"failed (exit {out.returncode})", file=sys.stderr)
-        if os.path.exists(crash) and os.path.getsize(crash) > 0:
-            print(f"its crash backtrace is in {crash}", file=sys.stderr)
-        if out.returncode < 0 and tries > 1:
-            print(f"CRASHED (signal {-out.returncode}); running it once more", file=sys.stderr)
-            return run_json(cmd, tries - 1, timeout)
-        return None
-
-
-def bench(args, drafter, max_draft, extra, target=None):
-    report = run_json([args.dspec, "bench", "--target", target or args.target, "--drafter", drafter,
-                       "--max-draft", max_draft, "--max-tokens", str(args.max_tokens),
-                       "--json", *extra])
+def bench(args, runner, drafter, max_draft, extra, target=None):
+    report = runner.json([args.dspec, "bench", "--target", target or args.target,
+                          "--drafter", drafter, "--max-draft", max_draft,
+                          "--max-tokens", str(args.max_tokens), "--json", *extra])
     return None if report is None else report["report"]
 
 
-def generate_rate(args, prompts, extra):
+def generate_rate(args, runner, prompts, extra):
     """Decode tok/s over the prompts (total tokens over total time), one process each."""
     pairs = []
     for p in prompts:
-        r = run_json([args.dspec, "generate", "--target", args.target, "--prompt", p,
-                      "--max-tokens", str(args.max_tokens), "--json", *extra])
+        r = runner.json([args.dspec, "generate", "--target", args.target, "--prompt", p,
+                         "--max-tokens", str(args.max_tokens), "--json", *extra])
         if r is not None:
             s = r["stats"]
             pairs.append((s["decode_tokens_per_second"], max(s["generated_tokens"] - 1, 0)))
@@ -148,13 +152,13 @@ def prompts_file(texts, directory=None):
         return f.name
 
 
-def verify_kept(args, widths):
+def verify_kept(args, runner, widths):
     """Rounds queued ahead with every draft kept, per width: the plain answer to the first
     prompt replayed (`--drafter replay:`), one `dspec bench` process per width, its round
     costs from `--trace` against its own plain runs (gpu_verify_cost.kept_round_steps)."""
     target = args.kept_target or args.target
-    answer = run_json([args.dspec, "generate", "--target", target, "--prompt", PROMPTS[0],
-                       "--max-tokens", str(args.max_tokens), "--json"])
+    answer = runner.json([args.dspec, "generate", "--target", target, "--prompt", PROMPTS[0],
+                          "--max-tokens", str(args.max_tokens), "--json"])
     if answer is None:
         return None
     kept = {}
@@ -164,7 +168,7 @@ def verify_kept(args, widths):
             json.dump(answer, f)
         prompt = prompts_file([PROMPTS[0]], tmp)
         for w in widths:
-            report = bench(args, f"replay:{answer_file}", str(w - 1),
+            report = bench(args, runner, f"replay:{answer_file}", str(w - 1),
                            ["--prompts", prompt, "--verify-ahead", "always", "--passes",
                             str(args.kept_passes), "--prefill-runs", "0", "--trace", trace],
                            target)
@@ -249,10 +253,8 @@ def main():
     ap.add_argument("--crash-shim", help="scripts/crash_backtrace.c built as a shared "
                     "library: preloaded into every dspec process, for crash backtraces")
     args = ap.parse_args()
-    global EVIDENCE_DIR, CRASH_SHIM
-    if args.json_out:
-        EVIDENCE_DIR = os.path.dirname(os.path.abspath(args.json_out))
-    CRASH_SHIM = args.crash_shim
+    runner = Runner(os.path.dirname(os.path.abspath(args.json_out)) if args.json_out else None,
+                    args.crash_shim)
     rec = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens}
 
     def save():
@@ -261,18 +263,18 @@ def main():
                 json.dump(rec, f, indent=1)
 
     common, edit = prompts_file(PROMPTS), prompts_file([EDIT_PROMPT])
-    dm = bench(args, f"model:{args.draft}", "auto",
+    dm = bench(args, runner, f"model:{args.draft}", "auto",
                ["--prompts", common, "--prefill-lengths", args.prefill_lengths])
     rec["draft_model_auto"] = dm
     save()
     # The sampled line rides on the n-gram bench, whose process has no draft thread.
-    rec["ngram_auto"] = bench(args, "ngram", "auto",
+    rec["ngram_auto"] = bench(args, runner, "ngram", "auto",
                               ["--prompts", common, "--prefill-runs", "0", *SAMPLING])
-    rec["ngram_edit_auto"] = bench(args, "ngram", "auto:16",
+    rec["ngram_edit_auto"] = bench(args, runner, "ngram", "auto:16",
                                    ["--prompts", edit, "--prefill-runs", "0"])
     save()
-    rec["generate_greedy"] = generate_rate(args, PROMPTS, [])
-    rec["generate_4bit"] = generate_rate(args, PROMPTS, ["--quantize", "4"])
+    rec["generate_greedy"] = generate_rate(args, runner, PROMPTS, [])
+    rec["generate_4bit"] = generate_rate(args, runner, PROMPTS, ["--quantize", "4"])
     save()
     if not args.skip_verify:
         widths = [int(w) for w in args.widths.split(",")]
@@ -285,7 +287,7 @@ def main():
                 verify[f"{mode}:{w}"] = {"ms": ms, "steps": ms / step if ms and step else None}
         rec["verify"] = verify
         save()
-        rec["verify_kept"] = verify_kept(args, widths)
+        rec["verify_kept"] = verify_kept(args, runner, widths)
         save()
 
     peer = {}
