@@ -202,3 +202,12 @@ pub fn rows_summed_alike_here() -> i32 {
         .and_then(|kernels| dspec_runtime::blas::rows_summed_alike(&kernels))
         .unwrap_or(i32::MAX)
 }
+
+/// How many of `a` and `b`'s values differ in any bit: the measure of exactness where
+/// two ways of computing the same logits must agree bit for bit.
+pub fn differing_bits(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}

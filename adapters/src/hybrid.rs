@@ -555,8 +555,8 @@ mod tests {
 
     use super::*;
     use crate::fixtures::{
-        load_dir, with, write_random_model, RandomWeights, TINY_LLAMA, TINY_QWEN3_5_OVERRIDES,
-        TINY_QWEN3_NEXT_OVERRIDES,
+        differing_bits, load_dir, with, write_random_model, RandomWeights, TINY_LLAMA,
+        TINY_QWEN3_5_OVERRIDES, TINY_QWEN3_NEXT_OVERRIDES,
     };
 
     fn qwen3_5_config() -> String {
@@ -668,11 +668,7 @@ mod tests {
             cache.trim(back).expect("within the window");
             let from = block - back;
             let again = one_by_one(&model, &tokens[prefix + from..prefix + block], &mut cache);
-            let differing = again
-                .iter()
-                .zip(&first[from * vocab..])
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let differing = differing_bits(&again, &first[from * vocab..]);
             assert_eq!(
                 differing, 0,
                 "rolled back {back}: {differing} logits differ"

@@ -508,7 +508,7 @@ mod tests {
 
     use dspec_plugin_api::{LoadOptions, TargetModel};
 
-    use crate::fixtures::{load_dir, with, write_random_model, TINY_LLAMA};
+    use crate::fixtures::{differing_bits, load_dir, with, write_random_model, TINY_LLAMA};
     use dspec_runtime::Backend;
 
     /// The largest absolute difference between two equally long runs of logits.
@@ -517,14 +517,6 @@ mod tests {
             .zip(b)
             .map(|(x, y)| (x - y).abs())
             .fold(0.0f32, f32::max)
-    }
-
-    /// How many of `a` and `b`'s values differ in any bit.
-    fn differing_bits(a: &[f32], b: &[f32]) -> usize {
-        a.iter()
-            .zip(b)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count()
     }
 
     /// Logits of `tokens[prefix..]` after a `prefix`-token prefill, run either one token
