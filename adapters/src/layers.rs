@@ -4,6 +4,7 @@
 mod lora_delta;
 
 use std::cell::{Ref, RefCell};
+use std::sync::OnceLock;
 
 use mlx_rs::error::Exception;
 use mlx_rs::ops::{broadcast_to, concatenate, dequantize, matmul, quantize, quantized_matmul};
@@ -185,10 +186,11 @@ pub fn is_row_layout(x: &Array) -> bool {
 /// `x · wᵀ` for a dense `[out, in]` weight, read through its `[in, out]` view (a free
 /// transpose) so a product is a plain matmul.
 ///
-/// On the CPU the view is replaced by an `[in, out]` copy at the first product (see
-/// [`copied_to_inputs_by_outputs`]). At the first product, not at load: projections
-/// fused at load (q/k/v, gate/up) are copied once, from their parts into the fused
-/// layout, and embedding tables that never serve as a head are never copied.
+/// On the CPU, where the BLAS kernels read `[in, out]` faster, the view is replaced by an
+/// `[in, out]` copy at the first product (see [`Layout`]). At the first product, not at
+/// load: projections fused at load (q/k/v, gate/up) are copied once, from their parts
+/// into the fused layout, and embedding tables that never serve as a head are never
+/// copied.
 ///
 /// The row layout (R positions as `[R, 1, in]`, the exact verify) must compute each
 /// position exactly as a one-token step would: MLX rounds a matrix-matrix product
@@ -198,6 +200,7 @@ pub fn is_row_layout(x: &Array) -> bool {
 /// instead of a node queued again in every layer of every verify.
 struct DenseProduct {
     weight_t: RefCell<Array>,
+    layout: Layout,
     /// The checkpoint's `[out, in]` blocks (one, or the parts of a fused layer), while
     /// they are still to be copied into `[in, out]`; empty once copied or if no copy is
     /// to be made.
@@ -213,26 +216,33 @@ struct DenseProduct {
 
 impl DenseProduct {
     fn new(weight: Array) -> Self {
-        Self::from_blocks(weight.clone(), vec![weight])
+        let layout = Layout::for_weight(&weight);
+        Self::laid_out(weight, layout)
+    }
+
+    fn laid_out(weight: Array, layout: Layout) -> Self {
+        Self::from_blocks(weight.clone(), vec![weight], layout)
     }
 
     /// The `[out, in]` blocks stacked along `out`, as one product. When a copy is to be
     /// made, it is made from the blocks themselves, so the stacked rows are never built.
-    fn stacked(blocks: Vec<Array>) -> Result<Self> {
-        Ok(Self::from_blocks(concatenate(&blocks, 0)?, blocks))
+    fn stacked(blocks: Vec<Array>, layout: Layout) -> Result<Self> {
+        Ok(Self::from_blocks(concatenate(&blocks, 0)?, blocks, layout))
     }
 
     /// `weight` (`[out, in]`), made of `blocks` stacked along `out`.
-    fn from_blocks(weight: Array, blocks: Vec<Array>) -> Self {
-        let (to_copy, min_rows) = match copied_to_inputs_by_outputs(&weight) {
-            true => {
-                let s = weight.shape();
-                (blocks, rows_for_one_kernel(s[0] as i64, s[1] as i64))
-            }
-            false => (Vec::new(), None),
+    fn from_blocks(weight: Array, blocks: Vec<Array>, layout: Layout) -> Self {
+        let to_copy = match layout {
+            Layout::InputsByOutputs => blocks,
+            Layout::Checkpoint => Vec::new(),
         };
+        let s = weight.shape();
+        let min_rows = products_on_blas(&weight)
+            .then(|| rows_for_one_kernel(s[0] as i64, s[1] as i64))
+            .flatten();
         Self {
             weight_t: RefCell::new(weight.t()),
+            layout,
             to_copy: RefCell::new(to_copy),
             row_weights: RefCell::new(Vec::new()),
             min_rows,
@@ -315,13 +325,39 @@ impl DenseProduct {
     }
 }
 
-/// Whether a dense weight is copied into the `[in, out]` layout, so that products read
-/// it untransposed. On the CPU, MLX hands f32 products to BLAS `sgemm`, and OpenBLAS
-/// streams an untransposed weight markedly faster at every row count, one-row decode
-/// steps included (docs/benchmarks.md, "Weight layout on the CPU"). The copy replaces
-/// the checkpoint's rows, so memory does not grow. GPU backends keep the checkpoint's
-/// `[out, in]`: their matrix-vector kernels (and mlx-lm's) are built for it.
-fn copied_to_inputs_by_outputs(weight: &Array) -> bool {
+/// How a dense weight is held for its products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// The checkpoint's `[out, in]`, read through a transposed view.
+    Checkpoint,
+    /// Copied to `[in, out]` at the first product, so that products read it untransposed.
+    /// The copy replaces the checkpoint's rows, so memory does not grow.
+    InputsByOutputs,
+}
+
+impl Layout {
+    /// On the CPU, MLX hands f32 products to BLAS `sgemm`, and which layout streams
+    /// faster depends on the kernels OpenBLAS runs: some read `[in, out]` markedly faster
+    /// at every row count, one-row decode steps included, others `[out, in]`
+    /// (`dspec_runtime::blas::reads_inputs_by_outputs_faster`; docs/benchmarks.md,
+    /// "Weight layout on the CPU"). GPU backends, and other dtypes (MLX's own kernels),
+    /// keep the checkpoint's `[out, in]`: their matrix-vector kernels (and mlx-lm's) are
+    /// built for it.
+    fn for_weight(weight: &Array) -> Layout {
+        static KERNELS_READ_INPUTS_BY_OUTPUTS_FASTER: OnceLock<bool> = OnceLock::new();
+        let faster = *KERNELS_READ_INPUTS_BY_OUTPUTS_FASTER.get_or_init(|| {
+            dspec_runtime::blas::loaded_kernels()
+                .is_some_and(|k| dspec_runtime::blas::reads_inputs_by_outputs_faster(&k))
+        });
+        match products_on_blas(weight) && faster {
+            true => Layout::InputsByOutputs,
+            false => Layout::Checkpoint,
+        }
+    }
+}
+
+/// Whether MLX computes this weight's products with BLAS: f32 on the CPU.
+fn products_on_blas(weight: &Array) -> bool {
     Backend::current() == Backend::Cpu && weight.dtype() == mlx_rs::Dtype::Float32
 }
 
@@ -660,13 +696,15 @@ impl LinearWeight {
         match weights.first() {
             // `[out, in]` blocks stacked, like every dense weight, so products see the
             // same layout (and MLX's CUDA backend the same kernels).
-            Some(LinearWeight::Dense(_)) => {
+            // The parts' layout: a fused product is held as its parts would be.
+            Some(LinearWeight::Dense(first)) => {
+                let layout = first.layout;
                 let blocks = parts(&|w| match w {
                     LinearWeight::Dense(d) => Some(d.weight()),
                     LinearWeight::Quantized(_) => None,
                 });
                 Ok(blocks
-                    .map(DenseProduct::stacked)
+                    .map(|blocks| DenseProduct::stacked(blocks, layout))
                     .transpose()?
                     .map(LinearWeight::Dense))
             }
@@ -1207,14 +1245,40 @@ mod tests {
         );
     }
 
-    /// On the CPU an f32 weight is copied to `[in, out]` at its first product, not
-    /// before (a fused layer's parts are never copied), and the copy computes the same
-    /// products; other dtypes keep the checkpoint's rows. One-row and many-row products
-    /// of the copy agree bitwise (exact speculative decoding relies on it): at this size
-    /// one row falls under OpenBLAS's small-matrix kernel where the CPU has one, and is
-    /// padded past it.
+    /// On the CPU an f32 weight is copied to `[in, out]` where the BLAS kernels this
+    /// process runs read that layout faster, and only then; other dtypes keep the
+    /// checkpoint's rows.
     #[test]
-    fn f32_weights_on_the_cpu_are_read_from_an_inputs_by_outputs_copy() {
+    fn f32_weights_on_the_cpu_take_the_layout_their_blas_kernels_read_faster() {
+        assert_eq!(Backend::current(), Backend::Cpu, "the tests run on the CPU");
+        let w = random::normal::<f32>(&[256, 1536], None, None, Some(&random::key(5).unwrap()))
+            .unwrap();
+        let faster = dspec_runtime::blas::loaded_kernels()
+            .is_some_and(|k| dspec_runtime::blas::reads_inputs_by_outputs_faster(&k));
+        let product = DenseProduct::new(w.clone());
+        assert_eq!(product.copy_pending(), faster);
+        let fused = LinearWeight::stacked([LinearWeight::Dense(product)].iter())
+            .unwrap()
+            .unwrap();
+        let LinearWeight::Dense(fused) = fused else {
+            panic!("dense parts fuse");
+        };
+        assert_eq!(
+            fused.copy_pending(),
+            faster,
+            "a fused layer keeps the layout"
+        );
+        let half = DenseProduct::new(w.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap());
+        assert!(!half.copy_pending(), "only f32 products go to BLAS");
+    }
+
+    /// An f32 weight held as `[in, out]` is copied at its first product, not before (a
+    /// fused layer's parts are never copied), and the copy computes the same products.
+    /// One-row and many-row products of the copy agree bitwise (exact speculative
+    /// decoding relies on it): at this size one row falls under OpenBLAS's small-matrix
+    /// kernel where the CPU has one, and is padded past it.
+    #[test]
+    fn f32_weights_held_as_inputs_by_outputs_are_copied_at_their_first_product() {
         assert_eq!(Backend::current(), Backend::Cpu, "the tests run on the CPU");
         let w = random::normal::<f32>(&[256, 1536], None, None, Some(&random::key(5).unwrap()))
             .unwrap();
@@ -1224,8 +1288,8 @@ mod tests {
 
         let (top, bottom) = (w.try_index(..64).unwrap(), w.try_index(64..).unwrap());
         let parts = [
-            LinearWeight::Dense(DenseProduct::new(top)),
-            LinearWeight::Dense(DenseProduct::new(bottom)),
+            LinearWeight::Dense(DenseProduct::laid_out(top, Layout::InputsByOutputs)),
+            LinearWeight::Dense(DenseProduct::laid_out(bottom, Layout::InputsByOutputs)),
         ];
         let Some(LinearWeight::Dense(fused)) = LinearWeight::stacked(parts.iter()).unwrap() else {
             panic!("dense parts fuse");
@@ -1261,35 +1325,46 @@ mod tests {
                 "row {r} of {rows} differs from one row"
             );
         }
+    }
 
-        let half = DenseProduct::new(w.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap());
-        assert!(!half.copy_pending(), "only f32 products go to BLAS");
-        half.forward(&x.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap())
+    /// A weight held in the checkpoint's layout is never copied: its products read a
+    /// view of the rows.
+    #[test]
+    fn weights_in_the_checkpoint_layout_are_read_through_a_view() {
+        let w = random::normal::<f32>(&[256, 1536], None, None, Some(&random::key(5).unwrap()))
             .unwrap();
-        let rows = half.weight_t().unwrap();
-        rows.eval().unwrap();
-        assert_eq!(rows.strides(), &[1, 1536], "a view of the rows");
+        let x = random::normal::<f32>(&[1, 5, 1536], None, None, Some(&random::key(6).unwrap()))
+            .unwrap();
+        for w in [w.clone(), w.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap()] {
+            let product = DenseProduct::laid_out(w.clone(), Layout::Checkpoint);
+            product.forward(&x.as_dtype(w.dtype()).unwrap()).unwrap();
+            assert!(!product.copy_pending());
+            let rows = product.weight_t().unwrap();
+            rows.eval().unwrap();
+            assert_eq!(rows.strides(), &[1, 1536], "a view of the rows");
+        }
     }
 
     /// Weights whose one-row products OpenBLAS would run through its small-matrix kernel
     /// and a verify's rows through its general one (on SkylakeX-class cores): products
     /// of every row count up to a verify's (up to [`rows_summed_alike_here`]'s), in the
-    /// sequence and the row layouts, equal the one-row products bitwise. Shapes of
-    /// SmolLM2-135M's layers (fused q/k/v, output, down); a toy weight and a real model's
-    /// need no padding.
+    /// sequence and the row layouts, equal the one-row products bitwise, with the weight
+    /// held in either layout. Shapes of SmolLM2-135M's layers (fused q/k/v, output,
+    /// down); a toy weight and a real model's need no padding.
     #[test]
     fn f32_products_meet_one_blas_kernel_at_every_row_count() {
         assert_eq!(rows_for_one_kernel(960, 576), Some(2));
         assert_eq!(rows_for_one_kernel(576, 576), Some(4));
         assert_eq!(rows_for_one_kernel(1536, 1536), None);
         assert_eq!(rows_for_one_kernel(64, 32), None);
-        for (seed, (outputs, inputs)) in [(960, 576), (576, 576), (576, 1536)]
+        let shapes = [(960, 576), (576, 576), (576, 1536)]
             .into_iter()
-            .enumerate()
-        {
+            .enumerate();
+        let layouts = [Layout::InputsByOutputs, Layout::Checkpoint];
+        for ((seed, (outputs, inputs)), layout) in shapes.flat_map(|s| layouts.map(|l| (s, l))) {
             let key = |k: u64| Some(random::key(10 * seed as u64 + k).unwrap());
             let w = random::normal::<f32>(&[outputs, inputs], None, None, key(1).as_ref()).unwrap();
-            let product = DenseProduct::new(w);
+            let product = DenseProduct::laid_out(w, layout);
             assert!(product.min_rows.is_some(), "{outputs}x{inputs} is padded");
             let x = random::normal::<f32>(&[1, 33, inputs], None, None, key(2).as_ref()).unwrap();
             let one: Vec<Array> = (0..33)
@@ -1319,7 +1394,7 @@ mod tests {
                             .unwrap()
                             .eq_values(one)
                             .unwrap(),
-                        "{outputs}x{inputs}: row {r} of {rows} differs from one row"
+                        "{outputs}x{inputs} {layout:?}: row {r} of {rows} differs from one row"
                     );
                     assert!(
                         row_layout
@@ -1329,7 +1404,7 @@ mod tests {
                             .unwrap()
                             .eq_values(one)
                             .unwrap(),
-                        "{outputs}x{inputs}: row layout, row {r} of {rows}"
+                        "{outputs}x{inputs} {layout:?}: row layout, row {r} of {rows}"
                     );
                 }
             }
