@@ -76,7 +76,6 @@ PROMPTS = [
 SAMPLING = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]
 
 
-# Where each dspec process's stall stacks and crash backtraces go (main() sets it).
 class Runner:
     """Runs the dspec processes of a report, numbered in order, and keeps the evidence of
     any that hung or crashed in `evidence_dir` (default: the temporary directory)."""
@@ -278,12 +277,13 @@ def main():
     save()
     if not args.skip_verify:
         widths = [int(w) for w in args.widths.split(",")]
-        step, tps, _ = gpu_verify_cost.plain_step_ms(args.dspec, args.target, 128, [])
+        step, tps, _ = gpu_verify_cost.plain_step_ms(args.dspec, args.target, 128, [],
+                                                      run=runner.json)
         verify = {"step_ms": step}
         for mode, ws in (("batched", widths), ("exact", [4])):
             for w in ws:
                 ms, n = gpu_verify_cost.verify_ms(args.dspec, args.target, w, 96,
-                                                  ["--verify", mode])
+                                                  ["--verify", mode], run=runner.json)
                 verify[f"{mode}:{w}"] = {"ms": ms, "steps": ms / step if ms and step else None}
         rec["verify"] = verify
         save()

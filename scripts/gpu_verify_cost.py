@@ -61,22 +61,26 @@ def kept_round_steps(report, trace_path):
     return whole, (statistics.median(per_pass) if per_pass else None), per_pass
 
 
-def plain_step_ms(dspec, model, max_tokens, extra):
-    result = dspec_json([dspec, "generate", "--target", model, "--prompt", PROMPT,
-                         "--max-tokens", str(max_tokens), "--no-chat-template", "--json", *extra])
+def plain_step_ms(dspec, model, max_tokens, extra, run=dspec_json):
+    """One decode step's milliseconds, the decode rate and its breakdown; `run` runs the
+    command and returns its JSON (gpu_report.py passes its Runner's)."""
+    result = run([dspec, "generate", "--target", model, "--prompt", PROMPT,
+                  "--max-tokens", str(max_tokens), "--no-chat-template", "--json", *extra])
     if result is None:
         return None, None, None
     tps = result["stats"]["decode_tokens_per_second"]
     return (1e3 / tps if tps else None), tps, result["stats"].get("decode_breakdown")
 
 
-def verify_ms(dspec, model, width, max_tokens, extra, env=None):
+def verify_ms(dspec, model, width, max_tokens, extra, env=None, run=None):
+    """The median verify milliseconds at `width` from a trace, and how many rounds gave
+    it; `run` as in plain_step_ms (by default dspec_json with `env` added)."""
+    run = run or (lambda cmd: dspec_json(cmd, env))
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as trace:
-        result = dspec_json([dspec, "generate", "--target", model, "--drafter", f"model:{model}",
-                             "--max-draft", str(width - 1), "--draft-ahead", "off",
-                             "--prompt", PROMPT, "--max-tokens", str(max_tokens),
-                             "--no-chat-template", "--json", "--trace", trace.name, *extra],
-                            env)
+        result = run([dspec, "generate", "--target", model, "--drafter", f"model:{model}",
+                      "--max-draft", str(width - 1), "--draft-ahead", "off",
+                      "--prompt", PROMPT, "--max-tokens", str(max_tokens),
+                      "--no-chat-template", "--json", "--trace", trace.name, *extra])
         if result is None:
             return None, 0
         rounds = [json.loads(line) for line in open(trace.name) if line.strip()]

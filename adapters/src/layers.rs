@@ -338,7 +338,7 @@ enum Layout {
 impl Layout {
     /// On the CPU, MLX hands f32 products to BLAS `sgemm`, and which layout streams
     /// faster depends on the kernels OpenBLAS runs: some read `[in, out]` markedly faster
-    /// at every row count, one-row decode steps included, others `[out, in]`
+    /// at the row counts of decode steps and verifies, others `[out, in]`
     /// (`dspec_runtime::blas::reads_inputs_by_outputs_faster`; docs/benchmarks.md,
     /// "Weight layout on the CPU"). GPU backends, and other dtypes (MLX's own kernels),
     /// keep the checkpoint's `[out, in]`: their matrix-vector kernels (and mlx-lm's) are
