@@ -9,7 +9,7 @@ use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
-use dspec_plugin_api::error::Result;
+use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{KvCache, ModelCache, WeightSource};
 use dspec_runtime::slicing::slice_axis;
 use dspec_runtime::Backend;
@@ -90,6 +90,10 @@ pub enum Mask {
     /// visible and the dtype's lowest value elsewhere (past the written positions,
     /// later positions of the input, outside a window).
     WholeBuffer(WholeBufferBias),
+    /// A drafter's block after the cache: every position sees the whole block and the
+    /// cache, which the inner mask (`All`, `Keys` under a window, or `WholeBuffer`) says
+    /// for MLX's attention, and dspec's CUDA kernel knows from the shapes alone.
+    Block(Box<Mask>),
 }
 
 /// The additive bias of [`Mask::WholeBuffer`], with its broadcast to each head count a
@@ -185,10 +189,42 @@ pub fn whole_buffer_mask(
 ) -> Result<Mask> {
     let q_pos = arange::<_, i32>(offset, offset + len, None)?.reshape(&[len, 1])?;
     let k_pos = arange::<_, i32>(0, capacity, None)?.reshape(&[1, capacity])?;
-    let visible = visible(&q_pos, &k_pos, window)?;
+    whole_buffer_bias(&visible(&q_pos, &k_pos, window)?, len, capacity, dtype)
+}
+
+/// The [`Mask::WholeBuffer`] of a drafter's block: `len` positions after `offset` cached
+/// ones, each seeing every position of the block (no causal mask inside it) and the
+/// cached keys, under a window only those fewer than `window` positions behind it; keys
+/// past the block (the buffer's unwritten rest) are hidden. Over the whole buffer the
+/// key length is the capacity, so a backend that builds an attention plan per key length
+/// (cuDNN on CUDA, see [`whole_buffer_pays`]) builds one per capacity, not one per round
+/// as the context grows.
+pub fn whole_buffer_block_mask(
+    offset: i32,
+    len: i32,
+    capacity: i32,
+    window: Option<i32>,
+    dtype: Dtype,
+) -> Result<Mask> {
+    let q_pos = arange::<_, i32>(offset, offset + len, None)?.reshape(&[len, 1])?;
+    let k_pos = arange::<_, i32>(0, capacity, None)?.reshape(&[1, capacity])?;
+    let written = broadcast_to(&k_pos.lt(Array::from_int(offset + len))?, &[len, capacity])?;
+    let visible = match window {
+        None => written,
+        Some(w) => {
+            let in_block = k_pos.ge(Array::from_int(offset))?;
+            let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(w))?;
+            written.logical_and(&in_block.logical_or(&near)?)?
+        }
+    };
+    whole_buffer_bias(&visible, len, capacity, dtype)
+}
+
+/// The additive bias of `visible` (`[len, capacity]` booleans) in `dtype`.
+fn whole_buffer_bias(visible: &Array, len: i32, capacity: i32, dtype: Dtype) -> Result<Mask> {
     let lowest = Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?;
     let zero = Array::from_f32(0.0).as_dtype(dtype)?;
-    let bias = select(&visible, &zero, &lowest)?.reshape(&[1, 1, len, capacity])?;
+    let bias = select(visible, &zero, &lowest)?.reshape(&[1, 1, len, capacity])?;
     Ok(Mask::WholeBuffer(WholeBufferBias {
         bias,
         per_heads: RefCell::new(Vec::new()),
@@ -215,6 +251,7 @@ impl Mask {
             Mask::Causal => Some(ScaledDotProductAttentionMask::Causal),
             Mask::Keys(keys) => Some(ScaledDotProductAttentionMask::Array(keys)),
             Mask::WholeBuffer(bias) => Some(ScaledDotProductAttentionMask::Array(&bias.bias)),
+            Mask::Block(inner) => inner.for_sdpa(),
         }
     }
 }
@@ -386,6 +423,20 @@ impl Attention {
         self.spec.sliding_window
     }
 
+    /// Whether dspec's CUDA attention kernel can take this layer's short forwards in
+    /// `dtype`, and the build it needs for them, causal or a drafter's block.
+    pub fn kernel_shape(&self, dtype: Dtype, causal: bool) -> Option<crate::cuda::AttentionShape> {
+        let s = &self.spec;
+        crate::cuda::attention::serves(s.head_dim, dtype, s.softcap.is_some()).then_some(
+            crate::cuda::AttentionShape {
+                head_dim: s.head_dim,
+                window: s.sliding_window,
+                scale: s.scale,
+                causal,
+            },
+        )
+    }
+
     pub fn quantized_bits(&self) -> Option<i32> {
         match &self.projections {
             Projections::Separate { q, .. } => q.quantized_bits(),
@@ -481,6 +532,10 @@ impl Attention {
     /// instead of a cuDNN plan built for every new key length.
     pub fn forward(&self, x: &Array, cache: &mut KvCache, mask: &Mask) -> Result<Array> {
         let s = &self.spec;
+        let (mask, block) = match mask {
+            Mask::Block(inner) => (inner.as_ref(), true),
+            other => (other, false),
+        };
         let rows = is_row_layout(x);
         let offset = cache.offset() as i32;
         let mut gate = None;
@@ -509,13 +564,20 @@ impl Attention {
             _ => cache.update_and_fetch(&k, &v)?,
         };
         let len = q.shape()[2];
-        if !rows && self.short_kernel_serves(&q, &keys, &values, mask) {
-            let out =
-                crate::cuda::attention::attend(&q, &keys, &values, s.scale, s.sliding_window)?;
+        if !rows && self.short_kernel_serves(&q, &keys, &values, mask, block) {
+            let out = crate::cuda::attention::attend(
+                &q,
+                &keys,
+                &values,
+                s.scale,
+                s.sliding_window,
+                !block,
+            )?;
             return self.o.forward(&gated(out, gate)?);
         }
 
-        let out = if rows || attends_position_by_position(offset, len, mask) {
+        // A block is not causal: its positions never attend one by one.
+        let out = if rows || (!block && attends_position_by_position(offset, len, mask)) {
             // One call per position, each as a one-token step makes it: MLX's attention
             // computes several causal queries differently from one, on CUDA (0.32.2,
             // scripts/gpu_rowwise_check.py shows it) and on the CPU. The last position
@@ -552,14 +614,26 @@ impl Attention {
         self.o.forward(&gated(out, gate)?)
     }
 
-    /// Whether dspec's CUDA attention kernel takes this causal forward of `q` over
+    /// Whether dspec's CUDA attention kernel takes this forward of `q` over
     /// `keys`/`values` in this layer ([`crate::cuda::attention`]; the kernel reads all
-    /// three as one dtype). Cheapest checks first: every decode step asks.
-    fn short_kernel_serves(&self, q: &Array, keys: &Array, values: &Array, mask: &Mask) -> bool {
+    /// three as one dtype): causal, or a drafter's `block`, over the written keys (not
+    /// the whole buffer). Cheapest checks first: every decode step asks.
+    fn short_kernel_serves(
+        &self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        mask: &Mask,
+        block: bool,
+    ) -> bool {
         let dtype = q.dtype();
         self.short_kernels
             && (2..=crate::cuda::MAX_ROWS).contains(&q.shape()[2])
-            && matches!(mask, Mask::Causal | Mask::Keys(_))
+            && match mask {
+                Mask::Causal | Mask::Keys(_) => true,
+                Mask::All => block,
+                Mask::WholeBuffer(_) | Mask::Block(_) => false,
+            }
             && keys.dtype() == dtype
             && values.dtype() == dtype
             && crate::cuda::attention::serves(
@@ -633,6 +707,11 @@ impl Attention {
                 let bias = bias.bias.reshape(&[1, 1, 1, len, total])?;
                 scores = scores.add(bias.as_dtype(scores.dtype())?)?;
                 None
+            }
+            Mask::Block(_) => {
+                return Err(ModelError::Unsupported(
+                    "a block mask reached softcapped attention unwrapped".into(),
+                ))
             }
         };
         if let Some(keys) = keys {
@@ -718,6 +797,81 @@ mod tests {
                     "offset {offset}, window {window:?}: row {r} differs"
                 );
             }
+        }
+    }
+
+    /// A drafter's block over the cache's whole buffer (how it runs on CUDA) attends as
+    /// it does over the written keys alone: every block position sees the whole block and
+    /// the context (under a window, only the context within it), never the buffer's
+    /// unwritten rest, which holds stale keys here on purpose.
+    #[test]
+    fn blocks_over_the_whole_buffer_attend_like_blocks_over_the_written_keys() {
+        let key = random::key(8).unwrap();
+        for (context, window) in [(9, None), (20, Some(7))] {
+            let spec = AttentionSpec {
+                sliding_window: window,
+                ..spec()
+            };
+            let mut weights = RandomWeights::new(4).unwrap();
+            let attn = Attention::load(&mut weights, "layer.self_attn", spec).unwrap();
+            let block = 5;
+            let x = random::normal::<f32>(&[1, context + 2 * block, 32], None, None, Some(&key))
+                .unwrap();
+            let ctx = x.try_index((.., 0..context, ..)).unwrap();
+            let blk = x.try_index((.., context..context + block, ..)).unwrap();
+            let stale = x.try_index((.., context.., ..)).unwrap();
+            let mut written = KvCache::default();
+            attn.append_context(&ctx, &mut written).unwrap();
+            let mut whole = KvCache::default();
+            attn.append_context(&ctx, &mut whole).unwrap();
+            // Stale positions past the context, as a trimmed earlier block leaves them.
+            attn.append_context(&stale, &mut whole).unwrap();
+            whole.trim(2 * block as usize).unwrap();
+
+            let q_pos = arange::<_, i32>(context, context + block, None)
+                .unwrap()
+                .reshape(&[block, 1])
+                .unwrap();
+            let k_pos = arange::<_, i32>(0, context + block, None)
+                .unwrap()
+                .reshape(&[1, context + block])
+                .unwrap();
+            let keys = Mask::Block(Box::new(match window {
+                None => Mask::All,
+                Some(w) => Mask::Keys(
+                    k_pos
+                        .ge(Array::from_int(context))
+                        .unwrap()
+                        .logical_or(
+                            &q_pos
+                                .subtract(&k_pos)
+                                .unwrap()
+                                .lt(Array::from_int(w))
+                                .unwrap(),
+                        )
+                        .unwrap(),
+                ),
+            }));
+            let want = attn.forward(&blk, &mut written, &keys).unwrap();
+            let capacity = whole.capacity_for(context as usize + block as usize) as i32;
+            let mask =
+                whole_buffer_block_mask(context, block, capacity, window, Dtype::Float32).unwrap();
+            let got = attn
+                .forward(&blk, &mut whole, &Mask::Block(Box::new(mask)))
+                .unwrap();
+            let gap = got
+                .subtract(&want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max(None)
+                .unwrap()
+                .try_item_cast::<f32>()
+                .unwrap();
+            assert!(
+                gap < 1e-5,
+                "context {context}, window {window:?}: off by {gap}"
+            );
         }
     }
 

@@ -155,6 +155,10 @@ fn maybe_quantize(
     match group {
         Some((bits, group_size)) => {
             let (w, scales, biases) = quantize(&weight, group_size, bits)?;
+            // Quantized while loading, as the weights are read: left lazy, the whole model
+            // would be quantized inside its first forward (a drafter's first round), with
+            // the full-precision weights held until then.
+            mlx_rs::transforms::eval([&w, &scales, &biases])?;
             Ok(Ok(Quantized {
                 weight: w,
                 scales,

@@ -205,6 +205,7 @@ fn attention_shapes(spec: &DecoderSpec) -> Vec<cuda::AttentionShape> {
             head_dim: a.head_dim,
             window: a.sliding_window,
             scale: a.scale,
+            causal: true,
         };
         if !shapes.contains(&shape) {
             shapes.push(shape);
@@ -291,6 +292,7 @@ impl Decoder {
             && cuda::wanted(
                 step_weight_bytes(&spec, bytes_per_weight),
                 w.options().verify_kernels,
+                w.options().verifies_waited_on,
             );
         let warm_up = kernels.then(|| cuda::warm_up(dtype, attention_shapes(&spec)));
         let mut layers = Vec::with_capacity(spec.layers.len());

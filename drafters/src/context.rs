@@ -7,7 +7,8 @@
 use mlx_rs::ops::arange;
 use mlx_rs::{Array, Dtype};
 
-use dspec_adapters::attention::Mask;
+use dspec_adapters::attention::{whole_buffer_block_mask, whole_buffer_pays, Mask};
+use dspec_adapters::cuda;
 use dspec_adapters::layers::{Linear, RmsNorm};
 use dspec_adapters::transformer::DecoderLayer;
 use dspec_plugin_api::error::{ModelError, Result};
@@ -23,6 +24,9 @@ pub struct ContextLayers {
     tap_width: i32,
     /// Activation dtype the target's hidden states are cast to.
     dtype: Option<Dtype>,
+    /// Blocks of up to [`cuda::MAX_ROWS`] positions go through dspec's CUDA kernels
+    /// ([`ContextLayers::use_kernels`]); the compile they started at load, if any.
+    kernels: Option<cuda::WarmUp>,
 }
 
 impl ContextLayers {
@@ -41,7 +45,39 @@ impl ContextLayers {
             caches,
             tap_width,
             dtype,
+            kernels: None,
         }
+    }
+
+    /// Runs blocks through dspec's CUDA kernels where `asked` (the command runs the
+    /// target's short continuations through them) and they serve every layer in
+    /// `dtype`: products and attention as plain kernel nodes, each cheaper for the host
+    /// than MLX's cuBLASLt products and cuDNN attention, whose host work a round waits
+    /// on. Their compile starts now, on a thread of its own.
+    pub fn use_kernels(&mut self, asked: bool, dtype: Dtype) -> Result<()> {
+        if !asked || !cuda::available(dtype) || self.layers.is_empty() {
+            return Ok(());
+        }
+        let Some(shapes) = self
+            .layers
+            .iter()
+            .map(|layer| layer.attention().kernel_shape(dtype, false))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(());
+        };
+        self.fc.use_short_kernels(true)?;
+        for layer in &mut self.layers {
+            layer.use_short_kernels(true)?;
+        }
+        let mut distinct: Vec<cuda::AttentionShape> = Vec::new();
+        for shape in shapes {
+            if !distinct.contains(&shape) {
+                distinct.push(shape);
+            }
+        }
+        self.kernels = Some(cuda::warm_up(dtype, distinct));
+        Ok(())
     }
 
     /// Forgets the context: a new sequence starts.
@@ -84,18 +120,44 @@ impl ContextLayers {
         for (layer, cache) in self.layers.iter().zip(self.caches.iter_mut()) {
             layer.attention().append_context(&fused, cache)?;
         }
-        // Materialise now so each round's graph stays one round long.
-        mlx_rs::transforms::eval(self.caches.iter().flat_map(KvCache::state))?;
+        // Queued now, without waiting: each round's graph stays one round long, and the
+        // device computes the context while the host builds the next block.
+        mlx_rs::transforms::async_eval(self.caches.iter().flat_map(KvCache::state))?;
         Ok(())
     }
 
     /// Runs the block `x` (`[1, B, hidden]`, at the positions after the context)
     /// through every layer; the caches hold the context alone again afterwards.
+    ///
+    /// With dspec's CUDA kernels ([`ContextLayers::use_kernels`]) the block attends over
+    /// the written keys. Otherwise, where attention plans are built per key length
+    /// ([`whole_buffer_pays`]: CUDA), over each cache's whole buffer under an additive
+    /// mask, so that its shapes stay the same from round to round while the context
+    /// grows; elsewhere over the written keys alone.
     pub fn run_block(&mut self, mut x: Array) -> Result<Array> {
         let (context, block) = (self.len(), x.shape()[1]);
+        // The kernels read the written keys; MLX's CUDA attention wants the whole buffer.
+        let kernels = self.kernels.is_some() && block <= cuda::MAX_ROWS;
+        let whole = !kernels && whole_buffer_pays();
+        // One mask per distinct window: a mask built once is shared by the layers, with
+        // its broadcast over the heads.
+        let mut masks: Vec<(Option<i32>, Mask)> = Vec::new();
         for (layer, cache) in self.layers.iter().zip(self.caches.iter_mut()) {
-            let mask = block_mask(context as i32, block, layer.attention().sliding_window());
-            let out = mask.and_then(|mask| layer.forward(&x, cache, &mask));
+            let window = layer.attention().sliding_window();
+            let at = match masks.iter().position(|(w, _)| *w == window) {
+                Some(at) => at,
+                None => {
+                    let mask = if whole {
+                        let capacity = cache.capacity_for(context + block as usize) as i32;
+                        whole_buffer_block_mask(context as i32, block, capacity, window, x.dtype())?
+                    } else {
+                        block_mask(context as i32, block, window)?
+                    };
+                    masks.push((window, Mask::Block(Box::new(mask))));
+                    masks.len() - 1
+                }
+            };
+            let out = layer.forward(&x, cache, &masks[at].1);
             // The layer appended the block's keys and values; they go again (an offset
             // move) even when it failed, so the context never holds unverified positions.
             let trimmed = cache.trim(cache.offset().saturating_sub(context));

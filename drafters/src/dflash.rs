@@ -452,6 +452,9 @@ impl DFlashDrafter {
                 other => other,
             },
         )?;
+        let mut net = net;
+        let dtype = options.dtype.unwrap_or(request.target.dtype);
+        net.context.use_kernels(request.options.kernels, dtype)?;
         Ok(Self {
             config,
             net,
@@ -531,8 +534,14 @@ impl Drafter for DFlashDrafter {
         let drafts = x.try_index((.., 1..1 + wanted as i32, ..))?;
         let logits = target.lm_head(&self.net.norm.forward(&drafts)?)?;
         let vocab = logits.shape().last().copied().unwrap_or(0);
+        let rows = logits.reshape(&[wanted as i32, vocab])?;
+        if let Some(ids) = picker.pick_on_device(&rows)? {
+            // Queued now: the device drafts while the engine builds the verify on them.
+            mlx_rs::transforms::async_eval([&ids])?;
+            return Ok(Draft::on_device(ids));
+        }
         let mut draft = Draft::default();
-        draft.extend(picker.pick(&logits.reshape(&[wanted as i32, vocab])?)?)?;
+        draft.extend(picker.pick(&rows)?)?;
         Ok(draft)
     }
 

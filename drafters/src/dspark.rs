@@ -506,6 +506,9 @@ impl DSparkDrafter {
                 "--confidence-threshold needs a confidence head, but this checkpoint has `enable_confidence_head: false`; drop the flag",
             ));
         }
+        let mut model = model;
+        let dtype = options.dtype.unwrap_or(request.target.dtype);
+        model.context.use_kernels(request.options.kernels, dtype)?;
         Ok(Self {
             confidence_threshold: threshold,
             model,
@@ -540,24 +543,87 @@ impl DSparkDrafter {
         }
     }
 
-    /// Confidence (sigmoid) of positions `0..prev.len()`, where `prev[i]` is the token
-    /// before position i; `None` without a confidence head.
-    fn confidences(&self, hidden: &Array, prev: &[u32]) -> Result<Option<Vec<f32>>> {
+    /// Confidence (sigmoid) of positions `0..k`, where `prev` (`[k]` ids, lazy or not)
+    /// holds the token before each position: `[k]` f32, lazy; `None` without a
+    /// confidence head.
+    fn confidences(&self, hidden: &Array, prev: &Array) -> Result<Option<Array>> {
         let Some(head) = &self.model.confidence else {
             return Ok(None);
         };
-        let k = prev.len() as i32;
+        let k = prev.shape()[0];
         let mut features = hidden.try_index((0, ..k, ..))?;
         if let (true, Some(markov)) = (self.cfg.confidence_with_markov, &self.model.markov) {
-            let ids = Array::from_slice(prev, &[k]);
-            let prev_embed = markov.w1.forward(&ids)?.as_dtype(features.dtype())?;
+            let prev_embed = markov.w1.forward(prev)?.as_dtype(features.dtype())?;
             features = concatenate(&[features, prev_embed], -1)?;
         }
-        let scores = sigmoid(&head.forward(&features)?)?
-            .reshape(&[k])?
-            .as_dtype(Dtype::Float32)?;
-        scores.eval()?;
-        Ok(Some(scores.as_slice::<f32>().to_vec()))
+        Ok(Some(
+            sigmoid(&head.forward(&features)?)?
+                .reshape(&[k])?
+                .as_dtype(Dtype::Float32)?,
+        ))
+    }
+
+    /// `draft` cut where a position's confidence first falls below the threshold (never
+    /// below one token: a round always has something to verify).
+    fn cut(&self, draft: &mut Draft, confidences: Option<&Array>) -> Result<()> {
+        let (Some(threshold), Some(conf)) = (self.confidence_threshold, confidences) else {
+            return Ok(());
+        };
+        conf.eval()?;
+        let conf = conf.as_slice::<f32>();
+        let keep = conf
+            .iter()
+            .skip(1)
+            .position(|&c| c < threshold)
+            .map_or(conf.len(), |i| i + 1);
+        draft.truncate(keep)
+    }
+
+    /// Greedy drafts chained on the device, where the picker leaves its picks there:
+    /// each row's argmax feeds the next row's Markov correction without a host read.
+    /// Without a confidence cut the drafts stay on the device for the verify; with one,
+    /// they cross to the host once, with the confidences. `None` when the picker picks
+    /// on the host only.
+    fn propose_on_device(
+        &self,
+        hidden: &Array,
+        base: &Array,
+        last: u32,
+        k: usize,
+        picker: &mut dyn TokenPicker,
+    ) -> Result<Option<Draft>> {
+        let mut prev = Array::from_slice(&[last], &[1]);
+        let mut chain = Vec::with_capacity(k + 1);
+        chain.push(prev.clone());
+        for i in 0..k as i32 {
+            let mut row = base.try_index((0, i..i + 1, ..))?;
+            if let Some(markov) = &self.model.markov {
+                let bias = markov.w2.forward(&markov.w1.forward(&prev)?)?;
+                row = row.add(bias.as_dtype(row.dtype())?)?;
+            }
+            let Some(picked) = picker.pick_on_device(&row)? else {
+                return Ok(None);
+            };
+            prev = picked.reshape(&[1])?;
+            chain.push(prev.clone());
+        }
+        // `[last, t1, …, tk]`: the drafts are its tail, the token before each its head.
+        let chain = concatenate(&chain, 0)?;
+        let tokens = chain.try_index(1..)?;
+        let confidences = match self.confidence_threshold {
+            Some(_) => self.confidences(hidden, &chain.try_index(..k as i32)?)?,
+            None => None,
+        };
+        let Some(confidences) = confidences else {
+            // Queued now: the device drafts while the engine builds the verify on them.
+            mlx_rs::transforms::async_eval([&tokens])?;
+            return Ok(Some(Draft::on_device(tokens)));
+        };
+        mlx_rs::transforms::eval([&tokens, &confidences])?;
+        let mut draft = Draft::on_device(tokens);
+        draft.read()?;
+        self.cut(&mut draft, Some(&confidences))?;
+        Ok(Some(draft))
     }
 }
 
@@ -593,6 +659,9 @@ impl Drafter for DSparkDrafter {
         }
         let hidden = self.backbone(last)?;
         let base = self.logits(&hidden.try_index((.., ..k as i32, ..))?)?;
+        if let Some(draft) = self.propose_on_device(&hidden, &base, last, k, picker)? {
+            return Ok(draft);
+        }
         let mut draft = Draft::default();
         let mut prev = vec![last];
         for i in 0..k as i32 {
@@ -605,7 +674,8 @@ impl Drafter for DSparkDrafter {
                 row = row.add(bias.as_dtype(row.dtype())?)?;
             }
             // The picker sees the Markov-corrected row, so under sampling the q it
-            // records is exactly the distribution the token came from.
+            // records is exactly the distribution the token came from; each sample
+            // needs the one before it on the host.
             let picked = picker.pick(&row)?;
             let token = *picked.tokens.first().ok_or_else(|| {
                 ModelError::Unsupported("token picker returned no token for a row".into())
@@ -613,18 +683,12 @@ impl Drafter for DSparkDrafter {
             draft.extend(picked)?;
             prev.push(token);
         }
-        if let Some(threshold) = self.confidence_threshold {
-            prev.truncate(k);
-            if let Some(conf) = self.confidences(&hidden, &prev)? {
-                // Never cut below one token: a round always has something to verify.
-                let keep = conf
-                    .iter()
-                    .skip(1)
-                    .position(|&c| c < threshold)
-                    .map_or(k, |i| i + 1);
-                draft.truncate(keep)?;
-            }
-        }
+        prev.truncate(k);
+        let confidences = match self.confidence_threshold {
+            Some(_) => self.confidences(&hidden, &Array::from_slice(&prev, &[k as i32]))?,
+            None => None,
+        };
+        self.cut(&mut draft, confidences.as_ref())?;
         Ok(draft)
     }
 

@@ -169,7 +169,7 @@ impl Drafter for NgramDrafter {
         self.history.pop();
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
 

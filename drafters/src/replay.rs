@@ -86,7 +86,7 @@ impl Drafter for ReplayDrafter {
         };
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
 

@@ -23,6 +23,7 @@ use dspec_plugin_api::{Drafter, TargetModel};
 use crate::decoding::generate::{
     generate, logits_to_host, prefill, GenerationConfig, GenerationOutput, GenerationStats,
 };
+use crate::decoding::round_cost::{median, RoundCost};
 use crate::decoding::sampling::SamplingParams;
 use crate::decoding::speculative::{
     generate_speculative, Speculation, SpeculativeOutput, SpeculativeStats,
@@ -209,6 +210,11 @@ pub struct BenchReport {
     pub speedup: f64,
     /// Tokens committed per target forward over all prompts.
     pub tau: f64,
+    /// What a round that drafted cost, medians over every such round of every timed
+    /// speculative pass, against the plain step of the plain passes (their decode rate
+    /// over all prompts): whether the drafter can pay on this machine. `None` when no
+    /// round drafted.
+    pub round_cost: Option<RoundCost>,
     pub all_identical: bool,
     /// Prompts whose outputs differ only at a near-tie.
     pub near_ties: usize,
@@ -366,6 +372,7 @@ pub fn run_bench(
     let mut rows = Vec::new();
     // Per prompt, per pass: the plain and the speculative run's decoding.
     let mut paired_passes: Vec<Vec<(DecodeRun, DecodeRun)>> = Vec::new();
+    let mut round_times = Vec::new();
     for ((prompt, plains), specs) in prompts.iter().zip(plain_runs).zip(spec_runs) {
         let plain_passes: Vec<f64> = plains
             .iter()
@@ -402,6 +409,7 @@ pub fn run_bench(
                 first_difference = found;
             }
         }
+        round_times.extend(specs.iter().flat_map(|s| s.speculative.round_times.clone()));
         let spec = median_pass(specs, |s| s.stats.decode_seconds);
         rows.push(BenchRow {
             prompt_tokens: prompt.len(),
@@ -436,6 +444,8 @@ pub fn run_bench(
         speculative_tokens_per_second: spec_tps,
         speedup: paired_ratio(&paired_passes.iter().map(Vec::as_slice).collect::<Vec<_>>()),
         tau: committed as f64 / forwards.max(1) as f64,
+        round_cost: RoundCost::of(&round_times)
+            .map(|cost| cost.against(Some(1e3 / plain_tps.max(1e-9)))),
         all_identical: rows.iter().all(|r| r.identical),
         near_ties: differences().filter(|d| d.near_tie).count(),
         real_mismatches: differences().filter(|d| !d.near_tie).count(),
@@ -610,17 +620,6 @@ fn decode_rate(runs: impl Iterator<Item = DecodeRun>) -> f64 {
 fn median_pass<T>(mut runs: Vec<T>, seconds: impl Fn(&T) -> f64) -> T {
     runs.sort_by(|a, b| seconds(a).total_cmp(&seconds(b)));
     runs.swap_remove((runs.len() - 1) / 2)
-}
-
-fn median(values: &[f64]) -> Option<f64> {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    match n {
-        0 => None,
-        _ if n % 2 == 1 => Some(sorted[n / 2]),
-        _ => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
-    }
 }
 
 /// Units in the last place a margin may span and still count as a rounding tie. A
@@ -815,6 +814,9 @@ impl BenchReport {
                 self.passes
             );
         }
+        if let Some(cost) = &self.round_cost {
+            out += &format!("\n{}\n", cost.describe(self.tau));
+        }
         if let Some(sampled) = &self.sampled {
             out += &format!(
                 "\nsampled plain decoding ({}): {:.1} t/s, {:.2}x plain greedy (the median of \
@@ -946,12 +948,5 @@ mod tests {
         assert_eq!(synthetic_prompt(&prompts, 6), Some(vec![1, 2, 3, 4, 1, 2]));
         assert_eq!(synthetic_prompt(&prompts, 2), Some(vec![1, 2]));
         assert_eq!(synthetic_prompt(&[vec![]], 4), None);
-    }
-
-    #[test]
-    fn median_of_odd_and_even_counts() {
-        assert_eq!(median(&[]), None);
-        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
-        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
     }
 }

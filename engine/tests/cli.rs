@@ -1046,6 +1046,89 @@ fn dflash_checkpoint_drafts_through_the_cli_and_mismatches_are_errors() {
     );
 }
 
+/// The median of `values` (of an even count, the mean of the middle two).
+fn median_of(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    assert!(n > 0, "no values");
+    match n % 2 {
+        1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// `dspec bench --json` with a model drafter reports what its rounds cost: the medians of
+/// the drafting and verify times of every round the timed passes drafted (the same rounds
+/// `--trace` writes), against the plain step of its plain passes, with the break-even τ.
+/// `dspec generate --json` at a fixed draft length times no plain step: milliseconds only.
+#[test]
+fn bench_reports_a_drafted_rounds_cost_in_plain_steps_and_its_break_even_tau() {
+    let model = tiny_model(r#"{"model_type": "qwen3", "head_dim": 16}"#);
+    let m = path_str(model.path());
+    let drafter = tempfile::tempdir().expect("temp dir");
+    dspec_drafters::dflash::write_random_checkpoint(
+        drafter.path(),
+        dspec_drafters::dflash::TINY_DFLASH,
+        5,
+    )
+    .expect("write dflash checkpoint");
+    let d = path_str(drafter.path());
+    let trace = drafter.path().join("rounds.jsonl");
+    let out = dspec(&bench_args(
+        m,
+        d,
+        &[
+            "--max-draft",
+            "4",
+            "--max-tokens",
+            "12",
+            "--passes",
+            "2",
+            "--prefill-runs",
+            "0",
+            "--trace",
+            path_str(&trace),
+            "--json",
+        ],
+    ));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let report = &v["report"];
+    let cost = &report["round_cost"];
+    let rounds: Vec<serde_json::Value> = std::fs::read_to_string(&trace)
+        .expect("trace written")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .filter(|r: &serde_json::Value| !r["drafted"].as_array().expect("drafted").is_empty())
+        .collect();
+    assert!(!rounds.is_empty());
+    assert_eq!(cost["rounds"].as_u64(), Some(rounds.len() as u64), "{cost}");
+    let field = |v: &serde_json::Value, key: &str| v[key].as_f64().expect(key);
+    for (key, traced) in [("draft_ms", "draft_ms"), ("verify_ms", "verify_ms")] {
+        let want = median_of(rounds.iter().map(|r| field(r, traced)).collect());
+        assert!((field(cost, key) - want).abs() < 1e-9, "{key}: {cost}");
+    }
+    let whole = field(cost, "whole_ms");
+    assert!(whole >= field(cost, "verify_ms") && whole > 0.0, "{cost}");
+    let step = field(cost, "plain_step_ms");
+    let plain_rate = field(report, "plain_tokens_per_second");
+    assert!((step - 1e3 / plain_rate).abs() < 1e-6 * step, "{cost}");
+    let steps = &cost["in_plain_steps"];
+    for (key, ms) in [("draft", "draft_ms"), ("verify", "verify_ms"), ("whole", "whole_ms")] {
+        assert!((field(steps, key) - field(cost, ms) / step).abs() < 1e-9, "{cost}");
+    }
+    assert_eq!(steps["break_even_tau"], steps["whole"]);
+
+    let spec = generate_json(
+        model.path(),
+        &["--max-tokens", "12", "--drafter", d, "--max-draft", "4"],
+    );
+    let cost = &spec["speculative"]["round_cost"];
+    assert!(cost["rounds"].as_u64().expect("rounds") > 0, "{spec}");
+    assert!(cost["whole_ms"].as_f64().expect("whole_ms") > 0.0, "{spec}");
+    assert!(cost.get("in_plain_steps").is_none(), "{cost}");
+}
+
 #[test]
 fn dspark_checkpoint_drafts_through_the_cli_with_its_options() {
     let model = tiny_model(dspec_adapters::fixtures::TINY_GEMMA4_OVERRIDES);

@@ -87,15 +87,17 @@ impl Drafter for Watched {
         picker: &mut dyn TokenPicker,
     ) -> ModelResult<Draft> {
         let draft = self.inner.propose(target, last, max_k, picker)?;
-        assert!(draft.tokens.len() <= max_k, "at most max_k drafts");
+        // Greedy drafts may still be on the device: counted, not read, so that the
+        // engine's verify is built on them as it is without this wrapper.
+        assert!(draft.len() <= max_k, "at most max_k drafts");
         self.proposals += 1;
-        self.proposed += draft.tokens.len();
-        self.non_empty += usize::from(!draft.tokens.is_empty());
-        if !draft.tokens.is_empty()
+        self.proposed += draft.len();
+        self.non_empty += usize::from(!draft.is_empty());
+        if !draft.is_empty()
             && draft
                 .probs
                 .as_ref()
-                .is_some_and(|p| p.shape()[0] as usize == draft.tokens.len())
+                .is_some_and(|p| p.shape()[0] as usize == draft.len())
         {
             self.with_probs += 1;
         }

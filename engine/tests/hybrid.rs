@@ -79,7 +79,7 @@ impl Drafter for ShiftingOracle {
         }
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
@@ -359,6 +359,7 @@ impl Drafter for Steered {
         let seen = self.committed.len();
         assert_eq!(Some(&last), self.truth.get(seen));
         let mut draft = self.inner.propose(target, last, max_k, picker)?;
+        draft.read()?;
         self.round += 1;
         let keep = self.round % (draft.tokens.len() + 1);
         let truth = self.truth.iter().skip(seen + 1);
@@ -568,7 +569,7 @@ impl Drafter for Overdrafter {
         }
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
     fn commit(&mut self, verified: &[u32], _: Option<&Array>) -> ModelResult<()> {

@@ -188,7 +188,7 @@ impl Drafter for AlwaysWrong {
             .collect();
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
     fn commit(&mut self, verified: &[u32], _: Option<&Array>) -> ModelResult<()> {

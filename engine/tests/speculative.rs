@@ -122,7 +122,7 @@ impl Drafter for NoisyOracle {
         }
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {

@@ -82,7 +82,7 @@ impl Drafter for LookupOracle {
         }
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
     fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {

@@ -21,6 +21,7 @@ fn main() -> anyhow::Result<()> {
         quantize: None,
         rowwise_verify: false,
         verify_kernels: false,
+        verifies_waited_on: false,
     };
     let loaded = load_model(&dir, &builtin_registry()?, &options, false)?;
     let ids = loaded.tokenizer.encode_prompt(&prompt, false)?;

@@ -20,6 +20,10 @@ use crate::target::{ModelInfo, Quantization, TargetModel};
 #[derive(Debug, Clone, Default)]
 pub struct Draft {
     pub tokens: Vec<u32>,
+    /// Greedy drafts still on the device, in place of `tokens`: `[n]` uint32 ids, lazy.
+    /// The engine builds the verify on them and reads both at once, so no host read
+    /// separates drafting from verifying; [`Draft::read`] brings them to `tokens`.
+    pub on_device: Option<Array>,
     /// q: `[tokens, vocab]` on the device, one row per token, each row the processed
     /// distribution the token was drawn from. Kept on the device because the engine's
     /// acceptance test runs there: only the accepted count comes back to the host.
@@ -27,8 +31,39 @@ pub struct Draft {
 }
 
 impl Draft {
+    /// Drafts left on the device (see [`Draft::on_device`]).
+    pub fn on_device(ids: Array) -> Self {
+        Self {
+            on_device: Some(ids),
+            ..Self::default()
+        }
+    }
+
+    /// Drafts proposed, on the host or on the device.
+    pub fn len(&self) -> usize {
+        match &self.on_device {
+            Some(ids) => ids.shape().first().copied().unwrap_or(0) as usize,
+            None => self.tokens.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The drafts on the host, read from the device first if they are still there.
+    pub fn read(&mut self) -> Result<&[u32]> {
+        if let Some(ids) = self.on_device.take() {
+            let ids = ids.as_dtype(Dtype::Uint32)?;
+            ids.eval()?;
+            self.tokens = ids.as_slice::<u32>().to_vec();
+        }
+        Ok(&self.tokens)
+    }
+
     /// Appends picked tokens (and their distributions, when the picker sampled).
     pub fn extend(&mut self, picked: Picked) -> Result<()> {
+        self.read()?;
         let first = self.tokens.is_empty();
         self.tokens.extend(picked.tokens);
         self.probs = match (picked.probs, self.probs.take()) {
@@ -43,7 +78,11 @@ impl Draft {
 
     /// Keeps the first `n` tokens and their rows of `probs`.
     pub fn truncate(&mut self, n: usize) -> Result<()> {
-        if n >= self.tokens.len() {
+        if n >= self.len() {
+            return Ok(());
+        }
+        if let Some(ids) = self.on_device.take() {
+            self.on_device = Some(ids.try_index(..n as i32)?);
             return Ok(());
         }
         self.tokens.truncate(n);
@@ -72,6 +111,15 @@ pub trait TokenPicker {
     /// One token per row of `logits` (`[n, vocab]`, any float dtype), rows picked
     /// independently. Greedy picking costs one host sync for all rows.
     fn pick(&mut self, logits: &Array) -> Result<Picked>;
+
+    /// Greedy picks left on the device: `[n]` uint32 ids, lazy, one per row of `logits`
+    /// (the argmax, as [`TokenPicker::pick`] takes it), for a drafter that hands them on
+    /// as [`Draft::on_device`]. `None`, the default, where the picker cannot: under
+    /// sampling, or a picker that must see each pick on the host.
+    fn pick_on_device(&mut self, logits: &Array) -> Result<Option<Array>> {
+        let _ = logits;
+        Ok(None)
+    }
 }
 
 pub trait Drafter: Send {
@@ -179,6 +227,10 @@ pub struct DrafterOptions {
     /// `--max-tokens`: how many tokens a generation may add after its prompt, so a
     /// drafter that keeps a cache can size it once (see `KvCache::reserve`).
     pub max_new_tokens: Option<usize>,
+    /// Whether the command runs the target's short continuations through dspec's CUDA
+    /// kernels (`LoadOptions::verify_kernels`): a block drafter's blocks then take them
+    /// too, where they serve its shapes.
+    pub kernels: bool,
 }
 
 /// How far a draft model runs ahead of the target (`--draft-ahead`). Part of the
@@ -308,6 +360,26 @@ mod tests {
             tokens: tokens.to_vec(),
             probs: probs.map(|p| Array::from_slice(p, &[tokens.len() as i32, 2])),
         }
+    }
+
+    /// Drafts left on the device count and cut like host drafts, without being read,
+    /// and come to the host as the ids they are; appending host picks reads them first.
+    #[test]
+    fn drafts_on_the_device_count_cut_and_read_like_host_drafts() {
+        let ids = Array::from_slice(&[7u32, 3, 9, 4], &[4]);
+        let mut draft = Draft::on_device(ids);
+        assert_eq!((draft.len(), draft.tokens.len()), (4, 0));
+        draft.truncate(3).unwrap();
+        assert_eq!(draft.len(), 3);
+        assert!(draft.on_device.is_some(), "cutting does not read");
+        assert_eq!(draft.read().unwrap(), &[7, 3, 9]);
+        assert!(draft.on_device.is_none());
+        assert_eq!(draft.len(), 3);
+
+        let mut draft = Draft::on_device(Array::from_slice(&[5i32, 6], &[2]));
+        draft.extend(picked(&[8], None)).unwrap();
+        assert_eq!(draft.tokens, vec![5, 6, 8]);
+        assert!(Draft::default().is_empty());
     }
 
     fn rows(draft: &Draft) -> Vec<f32> {

@@ -164,6 +164,11 @@ pub struct LoadOptions {
     /// a few seconds per process, which a long-lived process such as `dspec serve` or
     /// `dspec bench` repays and a one-shot generation of a few hundred tokens does not).
     pub verify_kernels: bool,
+    /// Every verify will be waited on before the next round is built (a drafter that
+    /// runs a model drafts from the verify's answer, so no verify is queued ahead): the
+    /// host's time building a verify is then the round's own, and the kernels of
+    /// `verify_kernels` pay whatever the model's size.
+    pub verifies_waited_on: bool,
 }
 
 /// Everything an adapter constructor gets.

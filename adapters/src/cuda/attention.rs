@@ -1,12 +1,13 @@
-//! Causal attention of a few consecutive positions over the KV cache.
+//! Attention of a few consecutive positions over the KV cache: causal (a verify), or
+//! a drafter's block, whose positions all see the whole block and the cache.
 //!
 //! One block per (query head, position), `WARPS` warps. A key is taken by `D / 8`
 //! lanes (8 dimensions each, one 16-byte load where the layout allows), so a warp works
 //! on `256 / D` keys at once; each such lane group keeps an online softmax (running max,
 //! sum and weighted values) over its keys, and the groups are merged through shared
-//! memory. A position sees the keys up to its own and, under a window, no further back
-//! than the window. The output is written in the `[1, R, heads·D]` layout the output
-//! projection reads, so no transpose follows.
+//! memory. A causal position sees the keys up to its own, a block's every key; under a
+//! window, no cached key further back than the window. The output is written in the
+//! `[1, R, heads·D]` layout the output projection reads, so no transpose follows.
 
 use mlx_rs::{Array, Dtype};
 
@@ -30,7 +31,11 @@ const SOURCE: &str = r#"
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int sub = lane % LANES;
     const int group = warp * (32 / LANES) + lane / LANES;
-    const int first = (WINDOW > 0 && position - WINDOW + 1 > 0) ? position - WINDOW + 1 : 0;
+    // The last key seen, and the first: a block always sees itself, so a window cuts
+    // only the cache before it.
+    const int last = CAUSAL ? position : total - 1;
+    const int reach = position - WINDOW + 1 > 0 ? position - WINDOW + 1 : 0;
+    const int first = WINDOW > 0 ? (CAUSAL ? reach : min(reach, total - rows)) : 0;
     const float scale = __int_as_float(SCALE_BITS);
     const T* qp = q + head * q_strides[1] + row * q_strides[2];
     const T* kb = k + kv_head * k_strides[1];
@@ -59,11 +64,11 @@ const SOURCE: &str = r#"
     #pragma unroll
     for (int i = 0; i < 8; i++) acc[i] = 0.0f;
     // A warp's lane groups step together (the shuffles need every lane); a group past
-    // the last visible key computes on its position's own key and discards it.
-    for (int j0 = first + warp * (32 / LANES); j0 <= position; j0 += GROUPS) {
+    // the last visible key computes on that key and discards it.
+    for (int j0 = first + warp * (32 / LANES); j0 <= last; j0 += GROUPS) {
         const int j = j0 + lane / LANES;
-        const bool seen = j <= position;
-        const int jj = seen ? j : position;
+        const bool seen = j <= last;
+        const int jj = seen ? j : last;
         float kf[8], vf[8];
         load8(kb + jj * k_strides[2], k_strides[3], kf);
         float s = 0.0f;
@@ -119,14 +124,17 @@ pub fn serves(head_dim: i32, dtype: Dtype, softcap: bool) -> bool {
 }
 
 /// Attention of the R positions of `q` (`[1, heads, R, D]`, the last R positions of the
-/// cache) over `keys`/`values` (`[1, kv_heads, total, D]`, any strides), each position
-/// seeing the keys up to its own and no further back than `window`: `[1, R, heads·D]`.
+/// cache) over `keys`/`values` (`[1, kv_heads, total, D]`, any strides): `[1, R, heads·D]`.
+/// `causal`: each position sees the keys up to its own; otherwise (a drafter's block)
+/// every key. Under a `window`, no key of the cache before the R positions further back
+/// than the window.
 pub fn attend(
     q: &Array,
     keys: &Array,
     values: &Array,
     scale: f32,
     window: Option<i32>,
+    causal: bool,
 ) -> Result<Array> {
     let (heads, rows, head_dim) = (q.shape()[1], q.shape()[2], q.shape()[3]);
     KERNEL.with(|kernel| {
@@ -142,6 +150,7 @@ pub fn attend(
                     (c"D", head_dim),
                     (c"WINDOW", window.unwrap_or(0)),
                     (c"SCALE_BITS", scale.to_bits() as i32),
+                    (c"CAUSAL", i32::from(causal)),
                 ],
             },
         )
@@ -151,7 +160,6 @@ pub fn attend(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::attention_mask;
     use mlx_rs::fast::scaled_dot_product_attention;
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
@@ -165,9 +173,10 @@ mod tests {
 
     /// On a CUDA machine (the test binary run with MLX's CUDA libmlx; elsewhere it
     /// checks that the kernel is not used): each position of a call is MLX's attention
-    /// of that position alone within bf16 rounding, with and without a sliding window,
-    /// for head sizes 64, 128 and 256, grouped KV heads, keys read from a longer buffer
-    /// (a slice, as the cache hands them over), and the most positions a call takes.
+    /// of that position alone over the keys it sees within bf16 rounding, causal and as a
+    /// drafter's block, with and without a sliding window (one shorter than the block
+    /// too), for head sizes 64, 128 and 256, grouped KV heads, keys read from a longer
+    /// buffer (a slice, as the cache hands them over), and the most positions a call takes.
     #[test]
     fn positions_attend_like_mlx() {
         if !available(Dtype::Bfloat16) {
@@ -183,10 +192,14 @@ mod tests {
             (128, None, 300, 5),
             (64, None, 1500, 5),
             (128, Some(100), 300, 5),
+            (128, Some(3), 300, 5),
             (256, None, 40, 5),
             (128, None, 300, crate::cuda::MAX_ROWS),
         ];
-        for (head_dim, window, total, rows) in cases {
+        for ((head_dim, window, total, rows), causal) in cases
+            .into_iter()
+            .flat_map(|case| [(case, true), (case, false)])
+        {
             let (heads, kv_heads) = (12, 2);
             let buffer = |seed| normal(&[1, kv_heads, total + 64, head_dim], seed);
             let (k, v) = (buffer(1), buffer(2));
@@ -196,21 +209,26 @@ mod tests {
             );
             let q = normal(&[1, heads, rows, head_dim], 3 + head_dim as u64);
             let scale = (head_dim as f32).powf(-0.5);
-            let all = attend(&q, &k, &v, scale, window).unwrap();
+            let all = attend(&q, &k, &v, scale, window, causal).unwrap();
             assert_eq!(all.shape(), &[1, rows, heads * head_dim]);
             for r in 0..rows {
-                let visible = total - rows + r + 1;
+                let position = total - rows + r;
+                // Keys `first..=last`: a block sees all of itself, a window cuts only the
+                // cache before it.
+                let reach = window.map_or(0, |w| (position - w + 1).max(0));
+                let (first, last) = match causal {
+                    true => (reach, position),
+                    false => (reach.min(total - rows), total - 1),
+                };
                 let (k_r, v_r) = (
-                    k.try_index((.., .., 0..visible, ..)).unwrap(),
-                    v.try_index((.., .., 0..visible, ..)).unwrap(),
+                    k.try_index((.., .., first..last + 1, ..)).unwrap(),
+                    v.try_index((.., .., first..last + 1, ..)).unwrap(),
                 );
                 let q_r = q.try_index((.., .., r..r + 1, ..)).unwrap();
-                let mask = attention_mask(visible - 1, 1, window).unwrap();
-                let want =
-                    scaled_dot_product_attention(&q_r, &k_r, &v_r, scale, mask.for_sdpa(), None)
-                        .unwrap()
-                        .reshape(&[1, heads * head_dim])
-                        .unwrap();
+                let want = scaled_dot_product_attention(&q_r, &k_r, &v_r, scale, None, None)
+                    .unwrap()
+                    .reshape(&[1, heads * head_dim])
+                    .unwrap();
                 let row = all.try_index((.., r, ..)).unwrap();
                 let close = row
                     .as_dtype(Dtype::Float32)
@@ -219,7 +237,7 @@ mod tests {
                     .unwrap();
                 assert!(
                     close,
-                    "d {head_dim} window {window:?}: row {r} is not MLX's attention"
+                    "d {head_dim} window {window:?} causal {causal}: row {r} is not MLX's attention"
                 );
             }
         }

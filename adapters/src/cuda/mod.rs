@@ -86,27 +86,30 @@ pub fn available(dtype: Dtype) -> bool {
 
 /// Whether a model whose decode step reads `step_weight_bytes` runs its short
 /// continuations through the kernels, when the command `asked` for them
-/// (`LoadOptions::verify_kernels`): only where a step is host-bound
-/// ([`HOST_BOUND_WEIGHT_BYTES`]), unless `DSPEC_CUDA_KERNELS` says otherwise.
-pub fn wanted(step_weight_bytes: f64, asked: bool) -> bool {
-    wanted_under(setting(), step_weight_bytes, asked)
+/// (`LoadOptions::verify_kernels`): where a step is host-bound
+/// ([`HOST_BOUND_WEIGHT_BYTES`]), or at any size where every verify is `waited_on`
+/// (`LoadOptions::verifies_waited_on`: then no device work hides the host's part of a
+/// verify, which the kernels cut), unless `DSPEC_CUDA_KERNELS` says otherwise.
+pub fn wanted(step_weight_bytes: f64, asked: bool, waited_on: bool) -> bool {
+    wanted_under(setting(), step_weight_bytes, asked, waited_on)
 }
 
-fn wanted_under(setting: Setting, step_weight_bytes: f64, asked: bool) -> bool {
+fn wanted_under(setting: Setting, step_weight_bytes: f64, asked: bool, waited_on: bool) -> bool {
     match setting {
         Setting::Always => true,
         Setting::Never => false,
-        Setting::BySize => asked && step_weight_bytes <= HOST_BOUND_WEIGHT_BYTES,
+        Setting::BySize => asked && (waited_on || step_weight_bytes <= HOST_BOUND_WEIGHT_BYTES),
     }
 }
 
-/// The template arguments of one attention kernel build: head size, sliding window and
-/// score scale.
+/// The template arguments of one attention kernel build: head size, sliding window,
+/// score scale, and whether it is causal (a verify) or a drafter's block.
 #[derive(Clone, Copy, PartialEq)]
 pub struct AttentionShape {
     pub head_dim: i32,
     pub window: Option<i32>,
     pub scale: f32,
+    pub causal: bool,
 }
 
 /// A compile started by [`warm_up`]; dropping it waits for the compile to end, so that
@@ -134,7 +137,9 @@ pub fn warm_up(dtype: Dtype, shapes: Vec<AttentionShape>) -> WarmUp {
                 zeros(&[1, 1, 2, s.head_dim])?,
                 zeros(&[1, 1, 2, s.head_dim])?,
             );
-            outs.push(attention::attend(&q, &kv, &kv, s.scale, s.window)?);
+            outs.push(attention::attend(
+                &q, &kv, &kv, s.scale, s.window, s.causal,
+            )?);
         }
         mlx_rs::transforms::eval(&outs)?;
         Ok(())
@@ -372,11 +377,14 @@ mod tests {
         assert_eq!(setting_of(None), Setting::BySize);
         assert_eq!(setting_of(Some("yes")), Setting::BySize);
         let (small, large) = (3.1e9, 14.1e9);
-        assert!(wanted_under(Setting::BySize, small, true));
-        assert!(!wanted_under(Setting::BySize, small, false));
-        assert!(!wanted_under(Setting::BySize, large, true));
-        assert!(wanted_under(setting_of(Some("1")), large, false));
-        assert!(!wanted_under(setting_of(Some("0")), small, true));
+        assert!(wanted_under(Setting::BySize, small, true, false));
+        assert!(!wanted_under(Setting::BySize, small, false, false));
+        assert!(!wanted_under(Setting::BySize, large, true, false));
+        // Rounds that wait on every verify take them at any size, where asked.
+        assert!(wanted_under(Setting::BySize, large, true, true));
+        assert!(!wanted_under(Setting::BySize, large, false, true));
+        assert!(wanted_under(setting_of(Some("1")), large, false, false));
+        assert!(!wanted_under(setting_of(Some("0")), small, true, true));
     }
 
     /// MLX gets an `#include` of a file holding the text exactly (the same file for the

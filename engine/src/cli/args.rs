@@ -119,6 +119,7 @@ impl ModelArgs {
             quantize,
             rowwise_verify,
             verify_kernels: false,
+            verifies_waited_on: false,
         }
     }
 }
@@ -357,6 +358,8 @@ impl DraftTuning {
                 DraftAheadArg::Eager => Some(DraftAhead::Eager),
             },
             max_new_tokens: Some(max_new_tokens),
+            // Decided with the target's load options, in `load_drafter`.
+            kernels: false,
         })
     }
 }

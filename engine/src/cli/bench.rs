@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
-use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::decoding::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
@@ -100,6 +100,7 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
     let mut options = args.model.load_options(backend);
     // Passes run in one process: the kernels' one-off compile is paid once.
     options.verify_kernels = true;
+    options.verifies_waited_on = drafts_with_a_model(&args.drafter)?;
     let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal() && !args.json && root;
     let loaded = match group {

@@ -271,6 +271,9 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
             sp.acceptance_histogram,
             100.0 * sp.draft_time_share,
         );
+        if let Some(cost) = &sp.round_cost {
+            eprintln!("[dspec] {}", cost.describe(sp.tau));
+        }
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use dspec_engine::decoding::drafting::load_drafter;
+use dspec_engine::decoding::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::decoding::prompt_cache::PromptCache;
 use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
@@ -148,6 +148,7 @@ fn load_engine(
     let mut options = args.model.load_options(backend);
     // Long-lived: the kernels' one-off compile is paid once for every request.
     options.verify_kernels = true;
+    options.verifies_waited_on = drafts_with_a_model(&args.drafter)?;
     let max_tokens = args.max_tokens as usize;
     let loaded = match group.as_deref() {
         None => load_model(&args.model.target, registry, &options, show_progress)?,

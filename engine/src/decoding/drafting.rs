@@ -40,6 +40,15 @@ fn kind_list() -> String {
         .unwrap_or_default()
 }
 
+/// Whether the drafter `spec` names runs a model (a checkpoint: DFlash, DSpark, a draft
+/// model), as opposed to a lookup in the tokens (`ngram`, `replay:FILE`): its rounds then
+/// wait on every verify, since the next drafts come from the verify's answer. Known before
+/// the target loads, so that the target can load for it (`LoadOptions::verifies_waited_on`).
+pub fn drafts_with_a_model(spec: &str) -> Result<bool, EngineError> {
+    dspec_drafters::link();
+    Ok(drafter_kind_by_name(spec)?.is_none() && !spec.starts_with("replay:"))
+}
+
 /// Loads the drafter `spec` names for `target`. `target_options` are the target's
 /// load options (the draft model takes its dtype; `--drafter-bits` its quantization).
 pub fn load_drafter(
@@ -50,6 +59,10 @@ pub fn load_drafter(
     options: &DrafterOptions,
 ) -> Result<Box<dyn Drafter>, EngineError> {
     dspec_drafters::link();
+    let options = &DrafterOptions {
+        kernels: target_options.verify_kernels,
+        ..options.clone()
+    };
     // Validated here for every kind, so `--drafter-bits 3 --drafter ngram` is refused
     // too; a draft model is full precision unless asked.
     let draft_model_options = LoadOptions {
@@ -58,6 +71,7 @@ pub fn load_drafter(
         rowwise_verify: target_options.rowwise_verify,
         // The draft model's catch-up forwards of a few tokens take the same kernels.
         verify_kernels: target_options.verify_kernels,
+        verifies_waited_on: false,
     };
     let load_model = |dir: &Path| -> Result<Box<dyn TargetModel>, ModelError> {
         let found = registry.detect(dir)?;

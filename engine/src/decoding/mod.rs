@@ -1,6 +1,6 @@
 //! The decode loops and what they are made of: plain decoding, speculative decoding with
 //! lossless acceptance, sampling, the per-round draft length, queueing verifies ahead,
-//! and loading a drafter.
+//! loading a drafter, and what a round costs.
 
 pub mod acceptance;
 pub mod draft_length;
@@ -8,6 +8,7 @@ pub mod drafting;
 pub mod generate;
 pub mod logprobs;
 pub mod prompt_cache;
+pub mod round_cost;
 pub mod sampling;
 pub mod speculative;
 pub mod verify_ahead;

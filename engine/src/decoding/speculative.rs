@@ -23,9 +23,7 @@ use dspec_adapters::attention::{reserve_for_generation, WHOLE_BUFFER_MAX_TOKENS}
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
-use crate::decoding::acceptance::{
-    accept_greedy, accept_sampled, argmax_all, greedy_prefix, host_ids, Accepted,
-};
+use crate::decoding::acceptance::{accept_sampled, argmax_all, greedy_prefix, host_ids, Accepted};
 use crate::decoding::draft_length::DraftLength;
 use crate::decoding::generate::{
     pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
@@ -33,6 +31,7 @@ use crate::decoding::generate::{
 };
 use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
 use crate::decoding::prompt_cache::PromptCache;
+use crate::decoding::round_cost::{median, RoundCost, RoundTime};
 use crate::decoding::sampling::Sampler;
 use crate::decoding::verify_ahead::VerifyAheadMode;
 use crate::error::EngineError;
@@ -58,6 +57,17 @@ pub struct SpeculativeStats {
     /// drafting ahead on its own thread works while the target verifies: that part is
     /// not counted).
     pub draft_time_share: f64,
+    /// What the rounds that drafted cost (medians), in plain steps where this generation
+    /// timed plain steps of its own (rounds without drafts, queued as plain decoding
+    /// queues them); `None` when no round drafted.
+    pub round_cost: Option<RoundCost>,
+    /// Every round that drafted, in order, for callers that pool rounds over runs.
+    #[serde(skip)]
+    pub round_times: Vec<RoundTime>,
+    /// Seconds of each plain step this generation ran with the step before it still in
+    /// flight, as plain decoding runs every step.
+    #[serde(skip)]
+    pub plain_step_seconds: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -106,6 +116,17 @@ impl TokenPicker for EnginePicker<'_> {
                 })
             }
         }
+    }
+
+    fn pick_on_device(&mut self, logits: &Array) -> ModelResult<Option<Array>> {
+        if self.sampler.is_some() {
+            return Ok(None);
+        }
+        let vocab = logits.shape().last().copied().unwrap_or(0);
+        let rows = logits.reshape(&[-1, vocab])?;
+        Ok(Some(
+            argmax_axis(&rows, -1, false)?.as_dtype(Dtype::Uint32)?,
+        ))
     }
 }
 
@@ -250,6 +271,8 @@ struct Tally {
     /// Rounds by tokens drafted (`[0]`: rounds run as plain decoding steps).
     drafted_histogram: Vec<usize>,
     draft_time: Duration,
+    round_times: Vec<RoundTime>,
+    plain_step_seconds: Vec<f64>,
 }
 
 impl Tally {
@@ -261,6 +284,8 @@ impl Tally {
             accepted_histogram: vec![0; max_draft + 1],
             drafted_histogram: vec![0; max_draft + 1],
             draft_time: Duration::ZERO,
+            round_times: Vec::new(),
+            plain_step_seconds: Vec::new(),
         }
     }
 
@@ -431,21 +456,35 @@ impl Rounds<'_, '_, '_> {
         draft.truncate(k)?;
 
         let t = Instant::now();
-        let mut input = Vec::with_capacity(1 + draft.tokens.len());
-        input.push(self.last);
-        input.extend_from_slice(&draft.tokens);
-        let out = self.model.forward(
-            &Array::from_slice(&input, &[1, input.len() as i32]),
-            &mut self.cache,
-            &self.taps,
-        )?;
+        let input = match &draft.on_device {
+            // Built on the drafts still in flight: the device drafts while the host builds
+            // this forward, and one read below brings back both.
+            Some(ids) => {
+                let last = Array::from_slice(&[self.last], &[1]);
+                concatenate(&[last, ids.as_dtype(Dtype::Uint32)?], 0)?.reshape(&[1, -1])?
+            }
+            None => {
+                let mut input = Vec::with_capacity(1 + draft.tokens.len());
+                input.push(self.last);
+                input.extend_from_slice(&draft.tokens);
+                Array::from_slice(&input, &[1, input.len() as i32])
+            }
+        };
+        let out = self.model.forward(&input, &mut self.cache, &self.taps)?;
         let logits = out.logits.try_index(0)?;
         let Accepted {
             drafts: accepted,
             token: next,
         } = match self.sampler.as_mut() {
-            None => accept_greedy(&logits, &draft.tokens)?,
-            Some(s) => accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?,
+            None => {
+                let target = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
+                mlx_rs::transforms::eval(std::iter::once(&target).chain(&draft.on_device))?;
+                greedy_prefix(&host_ids(&target)?, draft.read()?)?
+            }
+            Some(s) => {
+                draft.read()?;
+                accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?
+            }
         };
         let verify_elapsed = t.elapsed();
         self.cache.trim(draft.tokens.len() - accepted)?;
@@ -464,14 +503,22 @@ impl Rounds<'_, '_, '_> {
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
         // token to token.
+        let after_drafting = t.elapsed().as_secs_f64();
         match draft.tokens.len() {
-            0 => self.length.observe_empty(t.elapsed().as_secs_f64()),
-            drafted => self.length.observe(
-                drafted,
-                accepted,
-                draft_elapsed.as_secs_f64(),
-                t.elapsed().as_secs_f64(),
-            ),
+            0 => self.length.observe_empty(after_drafting),
+            drafted => {
+                self.length.observe(
+                    drafted,
+                    accepted,
+                    draft_elapsed.as_secs_f64(),
+                    after_drafting,
+                );
+                self.tally.round_times.push(RoundTime {
+                    draft: draft_elapsed.as_secs_f64(),
+                    verify: verify_elapsed.as_secs_f64(),
+                    whole: draft_elapsed.as_secs_f64() + after_drafting,
+                });
+            }
         }
         Ok(stop)
     }
@@ -664,7 +711,12 @@ impl Rounds<'_, '_, '_> {
                 (0, false) => self.length.observe_empty(round_seconds),
                 (drafted, _) => {
                     self.length
-                        .observe(drafted, accepted, current.draft_seconds, round_seconds)
+                        .observe(drafted, accepted, current.draft_seconds, round_seconds);
+                    self.tally.round_times.push(RoundTime {
+                        draft: current.draft_seconds,
+                        verify: round_seconds,
+                        whole: current.draft_seconds + round_seconds,
+                    });
                 }
             }
             let stop = self.finish_round(ReadRound {
@@ -772,6 +824,9 @@ impl Rounds<'_, '_, '_> {
             let seconds = since.elapsed().as_secs_f64();
             since = Instant::now();
             self.length.observe(0, 0, 0.0, seconds);
+            if current.queued_ahead {
+                self.tally.plain_step_seconds.push(seconds);
+            }
             let (host_ms, build_ms) = HostTime::trace_ms(Some(current.host));
             self.write_trace(RoundTrace {
                 round: self.tally.forwards,
@@ -1064,6 +1119,10 @@ pub fn generate_speculative_serving(
         acceptance_histogram: tally.accepted_histogram,
         draft_histogram: tally.drafted_histogram,
         draft_time_share: tally.draft_time.as_secs_f64() / decode_seconds.max(1e-9),
+        round_cost: RoundCost::of(&tally.round_times)
+            .map(|cost| cost.against(median(&tally.plain_step_seconds).map(|s| s * 1e3))),
+        round_times: tally.round_times,
+        plain_step_seconds: tally.plain_step_seconds,
     };
     Ok(SpeculativeOutput {
         text: committer.sink.text,

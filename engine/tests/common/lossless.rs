@@ -164,7 +164,7 @@ impl Drafter for FixedDrafter {
             .collect();
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
     fn commit(&mut self, verified: &[u32], _: Option<&Array>) -> ModelResult<()> {

@@ -1,0 +1,451 @@
+#!/usr/bin/env python3
+"""What a DFlash, a DSpark and a draft-model round cost in plain decoding steps, on a GPU.
+
+Per target shape (Qwen3-4B, Qwen3-8B), in one invocation, with random weights (speed
+depends on shapes, not values; the real checkpoints cannot reach the GPU machine):
+  - writes the target (scripts/random_weights.py), a DFlash drafter (5 layers, block 16)
+    and a DSpark drafter (5 layers, block 7, Markov rank 256, confidence head) of its
+    shapes (scripts/random_drafters.py), and a Qwen3-0.6B-shaped draft model;
+  - runs `dspec bench --json` once per line, each its own process under a timeout:
+    DFlash `--max-draft 15` (also with MLX's kernels only), DSpark `--max-draft 7` (4-bit,
+    its default, and with `--drafter-bits 0`), the draft model `--max-draft 4
+    --draft-ahead off`;
+  - runs one-shot `dspec generate --trace` with DFlash and DSpark, this build's and, given
+    --dspec-base, an earlier one's: each round timed, the first ones apart (what a process
+    pays once, which bench's warm-up hides);
+  - takes each report's `round_cost` (medians over the rounds that drafted, against the
+    plain step of the same process), tau and speedup;
+  - times mlx-lm's plain greedy decoding of the same prompt ids, where mlx-lm imports.
+Random drafts are almost never kept, so measured tau is about 1; the table gives, from
+each line's round cost, the speedup a drafter that keeps more would give:
+tau / (whole round in plain steps), at tau = 3, 5 and 6.5.
+
+Writes $OUT/drafters-SHAPE.json (every report whole, the stderr tails, the table) and
+$OUT/drafters-SHAPE.txt (the table) after every step, so a run cut short keeps what ran.
+
+Usage: python3 scripts/gpu_drafters.py [--dspec /tmp/dspec] [--shapes 4b,8b] [--out DIR]
+           [--max-tokens 128] [--passes 3] [--timeout 300] [--skip-mlx-lm]
+           [--configs scripts/configs] [--models /tmp/models-drafters] [--crash-shim SO]
+           [--lines dflash,dspark_4bit,...] [--no-first-rounds] [--dspec-base BIN]
+"""
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_gpu import aggregate, mlx_lm_generate, mlx_lm_view, weight_bytes  # noqa: E402
+
+SHAPES = {"4b": "qwen3-4b", "8b": "qwen3-8b"}
+DRAFT_MODEL = "qwen3-0.6b"
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a "
+    "docstring.",
+    "Explain in a few sentences why the sky is blue.",
+]
+TAUS = (3.0, 5.0, 6.5)
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def prepared_config(args, name, work):
+    """A copy of configs/NAME with the Qwen3 tokenizer files beside it (from --tokenizer,
+    as scripts/gpu-drafters-prepare.sh leaves them), as random_weights.py copies a model
+    directory's tokenizer files from its config directory."""
+    src, dst = os.path.join(args.configs, name), os.path.join(work, "configs", name)
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), dst)
+    shutil.copy(os.path.join(args.tokenizer, "tokenizer_config.json"), dst)
+    tok = os.path.join(dst, "tokenizer.json")
+    if not os.path.exists(tok):
+        with lzma.open(os.path.join(args.tokenizer, "tokenizer.json.xz")) as f, \
+                open(tok + ".tmp", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.replace(tok + ".tmp", tok)
+    return dst
+
+
+def write_model(out_dir, cmd, timings, key):
+    """Runs a writer `cmd` into OUT.partial and renames it to `out_dir` when it succeeds,
+    so a directory that exists is whole (reused on a warm machine)."""
+    if os.path.exists(out_dir):
+        timings[key] = "reused"
+        return
+    partial = out_dir + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    start = time.time()
+    log("+ " + " ".join(cmd + [partial]))
+    subprocess.run(cmd + [partial], check=True, stdout=sys.stderr)
+    os.replace(partial, out_dir)
+    timings[key] = round(time.time() - start, 1)
+
+
+class Runs:
+    """The dspec processes of a report: each under scripts/stall_stacks.py (a hang past
+    the timeout leaves its threads' stacks, then is killed), its whole stderr appended to
+    the log (this process's stderr), its exit code and seconds kept."""
+
+    def __init__(self, args, work):
+        self.args, self.work, self.count = args, work, 0
+
+    def run(self, cmd, timeout=None, env=None):
+        self.count += 1
+        n = self.count
+        timeout = timeout or self.args.timeout
+        stall = os.path.join(self.work, f"stall-{n}.json")
+        crash = os.path.join(self.work, f"crash-{n}.txt")
+        env = {**os.environ, **(env or {})}
+        if self.args.crash_shim:
+            env.update(LD_PRELOAD=self.args.crash_shim, CRASH_BACKTRACE_FILE=crash)
+        wrapped = [sys.executable, os.path.join(HERE, "stall_stacks.py"), "--after",
+                   str(timeout), "--json-out", stall, "--", *cmd]
+        log(f"+ [run {n}] " + " ".join(cmd))
+        start = time.time()
+        out = subprocess.run(wrapped, capture_output=True, text=True, env=env)
+        seconds = round(time.time() - start, 1)
+        log(f"--- [run {n}] stderr (exit {out.returncode}, {seconds} s) ---")
+        log(out.stderr.rstrip())
+        rec = {"command": cmd, "exit": out.returncode, "seconds": seconds,
+               "stderr_tail": out.stderr[-3000:]}
+        try:
+            rec["output"] = json.loads(out.stdout)
+        except json.JSONDecodeError:
+            rec["output"] = None
+            rec["stdout_tail"] = out.stdout[-2000:]
+        for key, path in (("stall", stall), ("crash", crash)):
+            if os.path.exists(path) and os.path.getsize(path) > 0:
+                with open(path) as f:
+                    text = f.read()
+                try:
+                    rec[key] = json.loads(text)
+                except json.JSONDecodeError:
+                    rec[key] = text
+        if out.returncode == 124 and "stall" in rec:
+            log(f"HUNG: [run {n}] killed after {timeout} s (its stacks are in the JSON)")
+        return rec
+
+
+def bench_lines(dflash, dspark, draft):
+    """(key, label, drafter, max draft k, extra flags, environment) of each dspec line.
+    `DSPEC_CUDA_KERNELS=0` turns dspec's CUDA kernels off, the drafter's and the
+    verify's: MLX's own kernels only."""
+    mlx_only = {"DSPEC_CUDA_KERNELS": "0"}
+    return [
+        ("dflash", "DFlash b16, k=15", dflash, 15, [], {}),
+        ("dflash_mlx", "DFlash b16, k=15, MLX kernels only", dflash, 15, [], mlx_only),
+        ("dspark_4bit", "DSpark b7, k=7, 4-bit", dspark, 7, [], {}),
+        ("dspark_bf16", "DSpark b7, k=7, bf16", dspark, 7, ["--drafter-bits", "0"], {}),
+        ("draft_model", "draft model 0.6B, k=4, ahead off", draft, 4, ["--draft-ahead", "off"],
+         {}),
+    ]
+
+
+def mlx_lm_child(args):
+    """Plain greedy decoding through mlx-lm, in a child process of its own so its GPU
+    memory is given back before anything else runs: prints {tokens_per_second, ...}."""
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    with open(args.mlx_lm_child[1]) as f:
+        prompts = json.load(f)
+    model, tokenizer = load(mlx_lm_view(args.mlx_lm_child[0]))
+    greedy = make_sampler(temp=0.0)
+    # Warm-up on the first prompt, not timed (kernel builds, plans).
+    mlx_lm_generate(stream_generate, model, tokenizer, prompts[0], 16, greedy)
+    pairs = []
+    for ids in prompts:
+        tokens, tps, _ = mlx_lm_generate(stream_generate, model, tokenizer, ids,
+                                         args.max_tokens, greedy)
+        pairs.append((tps, max(len(tokens) - 1, 0)))
+    print(json.dumps({"tokens_per_second": aggregate(pairs),
+                      "per_prompt": [{"tokens_per_second": t, "decoded": n} for t, n in pairs]}))
+
+
+def mlx_lm_greedy(args, runs, target, prompt_ids):
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=runs.work) as f:
+        json.dump(prompt_ids, f)
+    cmd = [sys.executable, os.path.abspath(__file__), "--max-tokens", str(args.max_tokens),
+           "--mlx-lm-child", target, f.name]
+    env = {**os.environ, "MLX_CUDA_SDPA_CACHE_SIZE": "65536"}
+    log("+ " + " ".join(cmd))
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                             timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    log(out.stderr.rstrip()[-3000:])
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": f"exit {out.returncode}", "stderr_tail": out.stderr[-2000:]}
+
+
+def median_of(values):
+    values = sorted(v for v in values if isinstance(v, (int, float)))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def gpu_name():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def fmt(x, spec=".2f", suffix=""):
+    return f"{x:{spec}}{suffix}" if isinstance(x, (int, float)) else "-"
+
+
+def table(rec):
+    """The shape's table: per line its plain step, round parts in plain steps, measured
+    tau and speedup, and tau / whole steps at the chosen taus."""
+    lines = []
+    limit = rec.get("physical_limit")
+    head = (f"{rec['name']} shape, random weights; dspec bench --max-tokens {rec['max_tokens']} "
+            f"--passes {rec['passes']} --prefill-runs 0, {len(PROMPTS)} prompts")
+    lines.append(head + (f"; {rec['device']}" if rec.get("device") else ""))
+    if limit:
+        lines.append(f"physical limit of plain decoding: {limit['weight_gb']:.2f} GB of weights "
+                     f"read per token / {limit['hbm_gbps']:.0f} GB/s = {limit['step_ms']:.2f} ms "
+                     f"per step ({limit['tokens_per_second']:.0f} tok/s)")
+    m = rec.get("mlx_lm_greedy") or {}
+    if m.get("tokens_per_second"):
+        lines.append(f"mlx-lm plain greedy: {1e3 / m['tokens_per_second']:.2f} ms per step "
+                     f"({m['tokens_per_second']:.1f} tok/s)")
+    elif m:
+        lines.append(f"mlx-lm plain greedy: not measured ({m.get('skipped') or m.get('error')})")
+    taus = "".join(f"{'at tau ' + format(t, 'g'):>11}" for t in TAUS)
+    lines.append(f"{'line':<34}{'plain step':>11}{'drafting':>9}{'verify':>8}{'whole':>7}"
+                 f"{'tau':>6}{'speedup':>9} |{taus}")
+    lines.append(f"{'':<34}{'ms':>11}{'steps':>9}{'steps':>8}{'steps':>7}{'':>6}"
+                 f"{'measured':>9} |")
+    for key, label, *_ in rec["line_order"]:
+        r = rec["lines"].get(key)
+        if r is None:
+            continue
+        report = (r.get("output") or {}).get("report")
+        if report is None:
+            why = "hung" if r.get("stall") else f"exit {r['exit']}, no report"
+            lines.append(f"{label:<34}  {why} (see the JSON's stderr_tail)")
+            continue
+        cost = report.get("round_cost") or {}
+        steps = cost.get("in_plain_steps") or {}
+        whole = steps.get("whole")
+        if not cost and report.get("speedup"):
+            # A build without round_cost: a round costs tau / speedup plain steps.
+            whole = report["tau"] / report["speedup"]
+            cost = {"plain_step_ms": 1e3 / report["plain_tokens_per_second"]}
+        cells = ""
+        for t in TAUS:
+            # A round commits at most k + 1 tokens.
+            ok = whole and t <= report["max_draft"] + 1
+            cells += f"{fmt(t / whole if ok else None, '.2f', 'x'):>11}"
+        lines.append(f"{label:<34}{fmt(cost.get('plain_step_ms')):>11}"
+                     f"{fmt(steps.get('draft')):>9}{fmt(steps.get('verify')):>8}"
+                     f"{fmt(whole):>7}{fmt(report.get('tau')):>6}"
+                     f"{fmt(report.get('speedup'), '.2f', 'x'):>9} |{cells}")
+    lines.append("plain step: 1 / the plain passes' decode rate in that line's process; "
+                 "drafting / verify / whole: medians over its rounds that drafted; "
+                 "at tau T: T / whole steps ('-' where T > k + 1); a build without "
+                 "round_cost: whole = tau / speedup")
+    for key, first in (rec.get("first_rounds") or {}).items():
+        rounds = "; ".join(f"draft {fmt(x['draft_ms'], '.1f')} + verify "
+                           f"{fmt(x['verify_ms'], '.1f')} ms" for x in first["rounds"][:2])
+        later = first.get("later_median") or {}
+        lines.append(f"one-shot generate, {key}: decode "
+                     f"{fmt(first.get('decode_tokens_per_second'), '.1f')} tok/s, prefill "
+                     f"{fmt(first['prefill_seconds'], '.2f')} s; "
+                     f"rounds 1-2: {rounds}; later rounds (median): draft "
+                     f"{fmt(later.get('draft_ms'), '.2f')} + verify "
+                     f"{fmt(later.get('verify_ms'), '.2f')} ms")
+    return "\n".join(lines)
+
+
+def run_shape(args, shape, runs, work, device):
+    name = SHAPES[shape]
+    root = args.models
+    rec = {"shape": shape, "name": name.replace("qwen3", "Qwen3").replace("b", "B"),
+           "max_tokens": args.max_tokens, "passes": args.passes, "device": device,
+           "lines": {}, "write_seconds": {}}
+    json_path = os.path.join(args.out, f"drafters-{shape}.json")
+    txt_path = os.path.join(args.out, f"drafters-{shape}.txt")
+
+    def save():
+        with open(json_path, "w") as f:
+            json.dump(rec, f, indent=1)
+        if rec.get("line_order"):
+            with open(txt_path, "w") as f:
+                f.write(table(rec) + "\n")
+
+    cfg = prepared_config(args, name, work)
+    draft_cfg = prepared_config(args, DRAFT_MODEL, work)
+    target = os.path.join(root, name)
+    dflash = os.path.join(root, f"{name}-dflash")
+    dspark = os.path.join(root, f"{name}-dspark")
+    draft = os.path.join(root, DRAFT_MODEL)
+    py = sys.executable
+    w = rec["write_seconds"]
+    # random_weights.py takes its output directory last (write_model appends it).
+    write_model(target, [py, os.path.join(HERE, "random_weights.py"), cfg, "--seed", "0"], w,
+                "target")
+    for kind, out in (("dflash", dflash), ("dspark", dspark)):
+        write_model(out, [py, os.path.join(HERE, "random_drafters.py"), "--target-config", cfg,
+                          "--kind", kind, "--layers", str(args.drafter_layers), "--seed", "2",
+                          "--out"], w, kind)
+    write_model(draft, [py, os.path.join(HERE, "random_weights.py"), draft_cfg, "--seed", "1"],
+                w, "draft_model")
+    wb = weight_bytes(target)
+    step_s = wb / (args.hbm_gbps * 1e9)
+    rec["physical_limit"] = {"weight_gb": wb / 1e9, "hbm_gbps": args.hbm_gbps,
+                             "step_ms": step_s * 1e3, "tokens_per_second": 1 / step_s}
+    rec["weight_gb"] = {k: weight_bytes(d) / 1e9 for k, d in
+                        (("target", target), ("dflash", dflash), ("dspark", dspark),
+                         ("draft_model", draft))}
+    save()
+
+    prompts = os.path.join(work, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("\n".join(PROMPTS) + "\n")
+    rec["line_order"] = [line for line in bench_lines(dflash, dspark, draft)
+                         if not args.lines or line[0] in args.lines.split(",")]
+    prompt_ids = None
+    for key, label, drafter, k, extra, env in rec["line_order"]:
+        cmd = [args.dspec, "bench", "--target", target, "--drafter", drafter,
+               "--max-draft", str(k), "--max-tokens", str(args.max_tokens),
+               "--passes", str(args.passes), "--prefill-runs", "0", "--prompts", prompts,
+               "--json", *extra]
+        r = runs.run(cmd, env=env)
+        rec["lines"][key] = r
+        report = (r.get("output") or {}).get("report")
+        if report is not None:
+            prompt_ids = prompt_ids or [row["prompt_ids"] for row in report["rows"]]
+            rec["device"] = rec["device"] or r["output"].get("device")
+            log(f"{label}: plain {report['plain_tokens_per_second']:.1f} tok/s, "
+                f"tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x, "
+                f"round cost {json.dumps(report.get('round_cost'))}")
+        save()
+
+    # A one-shot generation's rounds, the first apart: what a process pays once (bench
+    # warms up before it times).
+    # One-shot generations, each round timed, the first ones apart: what a process pays
+    # (bench repeats its prompts, so a build that plans per context length finds its
+    # plans built in every pass after the first, as no one-shot generation does).
+    rec["first_rounds"] = {}
+    binaries = [("new", args.dspec)] + ([("base", args.dspec_base)] if args.dspec_base else [])
+    if args.no_first_rounds:
+        binaries = []
+    for (build, binary), (kind, drafter, k) in [
+        (b, d) for b in binaries for d in (("dflash", dflash, 15), ("dspark_4bit", dspark, 7))
+    ]:
+        key = f"{build}_{kind}"
+        trace = os.path.join(runs.work, f"trace-{key}.jsonl")
+        cmd = [binary, "generate", "--target", target, "--drafter", drafter,
+               "--max-draft", str(k), "--max-tokens", "96", "--prompt", PROMPTS[0],
+               "--trace", trace, "--json"]
+        r = runs.run(cmd)
+        rounds = []
+        if os.path.exists(trace):
+            with open(trace) as f:
+                rounds = [json.loads(line) for line in f if line.strip()]
+        out = r.get("output") or {}
+        stats = out.get("stats") or {}
+        rec["first_rounds"][key] = {
+            "exit": r["exit"], "prefill_seconds": stats.get("prefill_seconds"),
+            "decode_tokens_per_second": stats.get("decode_tokens_per_second"),
+            "round_cost": (out.get("speculative") or {}).get("round_cost"),
+            "rounds": [{k2: x.get(k2) for k2 in ("draft_ms", "verify_ms", "accepted")}
+                       for x in rounds[:4]],
+            "later_median": {k2: median_of([x[k2] for x in rounds[2:]])
+                             for k2 in ("draft_ms", "verify_ms")} if len(rounds) > 2 else None,
+        }
+        log(f"first rounds {key}: {json.dumps(rec['first_rounds'][key])}")
+        save()
+
+    if args.skip_mlx_lm:
+        rec["mlx_lm_greedy"] = {"skipped": args.skip_mlx_lm_note}
+    elif prompt_ids is None:
+        rec["mlx_lm_greedy"] = {"skipped": "no dspec report gave the prompt ids"}
+    else:
+        rec["mlx_lm_greedy"] = mlx_lm_greedy(args, runs, target, prompt_ids)
+    save()
+    text = table(rec)
+    print(text + "\n", flush=True)
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dspec", default="/tmp/dspec")
+    ap.add_argument("--dspec-base", help="an earlier build, whose one-shot DFlash and DSpark "
+                    "generations run beside this build's (an A/B in one call)")
+    ap.add_argument("--shapes", default="4b,8b", help="comma-separated: 4b, 8b")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu-drafters")
+    ap.add_argument("--models", default="/tmp/models-drafters",
+                    help="where the random models go (a whole one is reused)")
+    ap.add_argument("--configs", default=os.path.join(HERE, "configs"),
+                    help="holds qwen3-4b/, qwen3-8b/, qwen3-0.6b/ (config.json)")
+    ap.add_argument("--tokenizer", default=".gpu/bench/qwen3-tokenizer",
+                    help="holds the Qwen3 tokenizer.json.xz and tokenizer_config.json")
+    ap.add_argument("--lines", help="comma-separated keys of the bench lines to run "
+                    "(default: all): dflash, dflash_mlx, dspark_4bit, dspark_bf16, draft_model")
+    ap.add_argument("--no-first-rounds", action="store_true",
+                    help="skip the one-shot generations that time each round")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--drafter-layers", type=int, default=5)
+    ap.add_argument("--timeout", type=int, default=300,
+                    help="seconds each dspec (and the mlx-lm) process may run")
+    ap.add_argument("--hbm-gbps", type=float,
+                    help="GPU memory bandwidth for the physical limit (default: 4800 on an "
+                         "H200, else 3350, an H100 SXM's)")
+    ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument("--skip-mlx-lm-note", default="--skip-mlx-lm given")
+    ap.add_argument("--crash-shim", help="scripts/crash_backtrace.c built as a shared "
+                    "library, preloaded into every dspec process")
+    ap.add_argument("--mlx-lm-child", nargs=2, metavar=("TARGET", "PROMPT_IDS_JSON"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.mlx_lm_child:
+        mlx_lm_child(args)
+        return
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad or not shapes:
+        ap.error(f"--shapes: {bad or shapes} (choose from {', '.join(SHAPES)})")
+    if not args.skip_mlx_lm:
+        try:
+            import mlx_lm  # noqa: F401
+        except ImportError as e:
+            args.skip_mlx_lm = True
+            args.skip_mlx_lm_note = f"mlx-lm does not import here ({e})"
+            log(f"note: {args.skip_mlx_lm_note}; its line is skipped")
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.models, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu-drafters-")
+    runs = Runs(args, work)
+    device = gpu_name()
+    if args.hbm_gbps is None:
+        # The device call may land on either card.
+        args.hbm_gbps = 4800.0 if device and "H200" in device else 3350.0
+    for shape in shapes:
+        rec = run_shape(args, shape, runs, work, device)
+        device = rec.get("device")
+
+
+if __name__ == "__main__":
+    main()
