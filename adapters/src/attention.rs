@@ -843,7 +843,7 @@ mod tests {
                         .ge(Array::from_int(context))
                         .unwrap()
                         .logical_or(
-                            &q_pos
+                            q_pos
                                 .subtract(&k_pos)
                                 .unwrap()
                                 .lt(Array::from_int(w))

@@ -1114,8 +1114,15 @@ fn bench_reports_a_drafted_rounds_cost_in_plain_steps_and_its_break_even_tau() {
     let plain_rate = field(report, "plain_tokens_per_second");
     assert!((step - 1e3 / plain_rate).abs() < 1e-6 * step, "{cost}");
     let steps = &cost["in_plain_steps"];
-    for (key, ms) in [("draft", "draft_ms"), ("verify", "verify_ms"), ("whole", "whole_ms")] {
-        assert!((field(steps, key) - field(cost, ms) / step).abs() < 1e-9, "{cost}");
+    for (key, ms) in [
+        ("draft", "draft_ms"),
+        ("verify", "verify_ms"),
+        ("whole", "whole_ms"),
+    ] {
+        assert!(
+            (field(steps, key) - field(cost, ms) / step).abs() < 1e-9,
+            "{cost}"
+        );
     }
     assert_eq!(steps["break_even_tau"], steps["whole"]);
 
