@@ -187,9 +187,17 @@ pub fn whole_buffer_mask(
     window: Option<i32>,
     dtype: Dtype,
 ) -> Result<Mask> {
-    let q_pos = arange::<_, i32>(offset, offset + len, None)?.reshape(&[len, 1])?;
-    let k_pos = arange::<_, i32>(0, capacity, None)?.reshape(&[1, capacity])?;
+    let (q_pos, k_pos) = buffer_positions(offset, len, capacity)?;
     whole_buffer_bias(&visible(&q_pos, &k_pos, window)?, len, capacity, dtype)
+}
+
+/// The positions of `len` queries after `offset` cached ones (`[len, 1]`) and of a
+/// buffer's `capacity` keys (`[1, capacity]`).
+fn buffer_positions(offset: i32, len: i32, capacity: i32) -> Result<(Array, Array)> {
+    Ok((
+        arange::<_, i32>(offset, offset + len, None)?.reshape(&[len, 1])?,
+        arange::<_, i32>(0, capacity, None)?.reshape(&[1, capacity])?,
+    ))
 }
 
 /// The [`Mask::WholeBuffer`] of a drafter's block: `len` positions after `offset` cached
@@ -206,8 +214,7 @@ pub fn whole_buffer_block_mask(
     window: Option<i32>,
     dtype: Dtype,
 ) -> Result<Mask> {
-    let q_pos = arange::<_, i32>(offset, offset + len, None)?.reshape(&[len, 1])?;
-    let k_pos = arange::<_, i32>(0, capacity, None)?.reshape(&[1, capacity])?;
+    let (q_pos, k_pos) = buffer_positions(offset, len, capacity)?;
     let written = broadcast_to(&k_pos.lt(Array::from_int(offset + len))?, &[len, capacity])?;
     let visible = match window {
         None => written,
@@ -758,18 +765,23 @@ mod tests {
         }
     }
 
+    /// A layer of [`spec`] under `window`, its weights drawn from `seed`.
+    fn layer(window: Option<i32>, seed: u64) -> Attention {
+        let spec = AttentionSpec {
+            sliding_window: window,
+            ..spec()
+        };
+        let mut weights = RandomWeights::new(seed).unwrap();
+        Attention::load(&mut weights, "layer.self_attn", spec).unwrap()
+    }
+
     /// Attention in the row layout equals one-token decoding at each position, bitwise,
     /// with and without a window that cuts partway through the rows.
     #[test]
     fn rows_attend_like_single_positions() {
         let key = random::key(5).unwrap();
         for (offset, window) in [(9, None), (20, Some(23))] {
-            let spec = AttentionSpec {
-                sliding_window: window,
-                ..spec()
-            };
-            let mut weights = RandomWeights::new(3).unwrap();
-            let attn = Attention::load(&mut weights, "layer.self_attn", spec).unwrap();
+            let attn = layer(window, 3);
             let total = offset + 6;
             let x = random::normal::<f32>(&[total, 1, 32], None, None, Some(&key)).unwrap();
             // The cache holds `offset` positions, written by one ordinary forward.
@@ -808,12 +820,7 @@ mod tests {
     fn blocks_over_the_whole_buffer_attend_like_blocks_over_the_written_keys() {
         let key = random::key(8).unwrap();
         for (context, window) in [(9, None), (20, Some(7))] {
-            let spec = AttentionSpec {
-                sliding_window: window,
-                ..spec()
-            };
-            let mut weights = RandomWeights::new(4).unwrap();
-            let attn = Attention::load(&mut weights, "layer.self_attn", spec).unwrap();
+            let attn = layer(window, 4);
             let block = 5;
             let x = random::normal::<f32>(&[1, context + 2 * block, 32], None, None, Some(&key))
                 .unwrap();

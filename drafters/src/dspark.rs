@@ -26,6 +26,7 @@ use dspec_adapters::config::parse_config;
 use dspec_adapters::layers::{softcap, Activation, Embedding, Linear, NormWeight, RmsNorm, Rope};
 use dspec_adapters::transformer::{DecoderLayer, DecoderSpec, NormLayout};
 use dspec_adapters::weights::Weights;
+use dspec_runtime::Backend;
 
 use crate::context::ContextLayers;
 use dspec_plugin_api::error::{ModelError, Result};
@@ -35,8 +36,15 @@ use dspec_plugin_api::{
 };
 
 /// `--drafter-bits` when the user gives none: the drafter runs every round, and 4-bit
-/// is what makes it cheap enough (the seed's default).
-const DEFAULT_BITS: i32 = 4;
+/// is what makes it cheap enough where its weights' reading is the cost (the seed's
+/// default). Not on CUDA: MLX's 4-bit products of a block's few rows are slower there
+/// than bf16 ones, which cost a round 0.3–0.8 plain steps more (docs/benchmarks.md).
+fn default_bits() -> i32 {
+    match Backend::current() {
+        Backend::Cuda => 0,
+        _ => 4,
+    }
+}
 
 /// A tiny qwen3-family DSpark checkpoint config fitting the tiny qwen3 target of
 /// `dspec_engine::tiny_model` (vocab 259, hidden 32, 2 layers): taps both target layers.
@@ -474,7 +482,7 @@ impl DSparkDrafter {
         validate_against_target(&cfg, request)?;
         let quantize = request
             .options
-            .quantization(DEFAULT_BITS)
+            .quantization(default_bits())
             .map_err(|m| request.mismatch(m))?;
         let options = LoadOptions {
             dtype: request.options.dtype,

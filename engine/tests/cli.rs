@@ -1074,10 +1074,14 @@ fn bench_reports_a_drafted_rounds_cost_in_plain_steps_and_its_break_even_tau() {
     .expect("write dflash checkpoint");
     let d = path_str(drafter.path());
     let trace = drafter.path().join("rounds.jsonl");
+    let prompts = drafter.path().join("prompts.txt");
+    std::fs::write(&prompts, "Hello there\nabc abc abc\n").expect("write prompts");
     let out = dspec(&bench_args(
         m,
         d,
         &[
+            "--prompts",
+            path_str(&prompts),
             "--max-draft",
             "4",
             "--max-tokens",

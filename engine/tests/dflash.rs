@@ -21,7 +21,7 @@ use dspec_plugin_api::{
 mod common;
 use common::{
     greedy, greedy_config, make_dflash_repeat, max_abs_diff, read_config, speculate,
-    tiny_target as load_target, Argmax,
+    tiny_target as load_target, Argmax, DeviceArgmax,
 };
 
 /// Loads a DFlash checkpoint through the registry, as the engine does.
@@ -292,6 +292,18 @@ fn check_incremental_context(loaded: &LoadedModel, drafter_dir: &Path, prompt_te
             "round {round}: incremental and from-scratch logits differ by {diff}"
         );
         assert_eq!(drafted.tokens, redrafted.tokens, "round {round}");
+        // Left on the device for the verify, as the engine's picker lets it: the same
+        // drafts, unread until asked for.
+        let mut lazily = drafter.propose(target, last, 7, &mut DeviceArgmax).unwrap();
+        assert!(
+            lazily.on_device.is_some(),
+            "round {round}: drafts read early"
+        );
+        assert_eq!(
+            lazily.read().unwrap(),
+            drafted.tokens.as_slice(),
+            "round {round}"
+        );
 
         // Commit `verified_len` true tokens, with the target's hidden states at them.
         let verified = &truth[position..position + verified_len];

@@ -313,6 +313,42 @@ impl TokenPicker for SoftmaxPicker {
     }
 }
 
+/// A full-precision drafter of `family` whose Markov head was taught the target's greedy
+/// continuation `truth` of `prompt` (so that the head decides the drafts), begun on the
+/// target's hidden states of `prompt`.
+fn taught_and_begun(
+    loaded: &LoadedModel,
+    family: Family,
+    prompt: &[u32],
+    truth: &[u32],
+    threshold: Option<f32>,
+) -> (tempfile::TempDir, Box<dyn Drafter>) {
+    let model = loaded.model.as_ref();
+    let dir = drafter_dir(family, 4, Some(truth));
+    let dconfig = read_config(dir.path());
+    let mut drafter = load_drafter(
+        dir.path(),
+        &dconfig,
+        model,
+        DrafterOptions {
+            bits: Some(0),
+            confidence_threshold: threshold,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let taps = drafter.taps().to_vec();
+    let out = model
+        .forward(
+            &Array::from_slice(prompt, &[1, prompt.len() as i32]),
+            &mut model.new_cache(),
+            &taps,
+        )
+        .unwrap();
+    drafter.begin(model, prompt, out.hidden.as_ref()).unwrap();
+    (dir, drafter)
+}
+
 #[test]
 fn sampled_drafts_carry_the_markov_corrected_distribution() {
     for (i, family) in FAMILIES.into_iter().enumerate() {
@@ -320,28 +356,7 @@ fn sampled_drafts_carry_the_markov_corrected_distribution() {
         let model = loaded.model.as_ref();
         let prompt = loaded.tokenizer.encode_prompt("markov", false).unwrap();
         let truth = greedy(&loaded, &prompt, 20);
-        let dir = drafter_dir(family, 4, Some(&truth));
-        let dconfig = read_config(dir.path());
-        let mut drafter = load_drafter(
-            dir.path(),
-            &dconfig,
-            model,
-            DrafterOptions {
-                bits: Some(0),
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let mut cache = model.new_cache();
-        let taps = drafter.taps().to_vec();
-        let out = model
-            .forward(
-                &Array::from_slice(&prompt, &[1, prompt.len() as i32]),
-                &mut cache,
-                &taps,
-            )
-            .unwrap();
-        drafter.begin(model, &prompt, out.hidden.as_ref()).unwrap();
+        let (_dir, mut drafter) = taught_and_begun(&loaded, family, &prompt, &truth, None);
         let mut picker = SoftmaxPicker::default();
         let draft = drafter.propose(model, truth[0], 4, &mut picker).unwrap();
         let probs = draft.probs.as_ref().expect("sampled drafts carry q");
@@ -368,6 +383,41 @@ fn sampled_drafts_carry_the_markov_corrected_distribution() {
             draft.tokens[0],
             truth[0]
         );
+    }
+}
+
+/// Greedy drafts chained on the device (each pick feeding the next position's Markov
+/// correction unread, as the engine's picker lets DSpark draft) are the drafts a picker
+/// reading every pick on the host gets, with and without a confidence cut; without one
+/// they reach the engine unread.
+#[test]
+fn drafts_chained_on_the_device_are_the_host_pickers_drafts() {
+    for (i, family) in FAMILIES.into_iter().enumerate() {
+        let (_t, loaded) = target(family, 61 + i as u64);
+        let model = loaded.model.as_ref();
+        let prompt = loaded.tokenizer.encode_prompt("chains", false).unwrap();
+        let truth = greedy(&loaded, &prompt, 20);
+        for threshold in [None, Some(0.5)] {
+            let (_dir, mut drafter) = taught_and_begun(&loaded, family, &prompt, &truth, threshold);
+            let on_host = drafter
+                .propose(model, truth[0], 5, &mut common::Argmax::default())
+                .unwrap();
+            let mut on_device = drafter
+                .propose(model, truth[0], 5, &mut common::DeviceArgmax)
+                .unwrap();
+            assert_eq!(
+                on_device.on_device.is_some(),
+                threshold.is_none(),
+                "{family:?} {threshold:?}: drafts stay on the device unless a cut reads them"
+            );
+            assert!(!on_host.tokens.is_empty());
+            assert_eq!(
+                on_device.read().unwrap(),
+                on_host.tokens.as_slice(),
+                "{family:?} {threshold:?}"
+            );
+            assert!(on_device.probs.is_none());
+        }
     }
 }
 

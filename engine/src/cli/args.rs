@@ -198,7 +198,7 @@ pub struct DraftTuning {
     #[arg(long, default_value = "5", value_parser = parse_draft_length)]
     pub max_draft: DraftLengthArg,
     /// Quantize the drafter's weights on load: 4, 8, or 0 for full precision
-    /// (default: DSpark 4, others full precision).
+    /// (default: DSpark 4, or 0 on CUDA; others full precision).
     #[arg(long, value_enum)]
     drafter_bits: Option<DrafterBits>,
     /// Cut a DSpark block where the drafter's confidence drops below this (0..1).

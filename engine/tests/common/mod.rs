@@ -218,6 +218,35 @@ impl TokenPicker for Argmax {
     }
 }
 
+/// Argmax left on the device, as the engine's greedy picker leaves it for drafters that
+/// hand their drafts on unread (`TokenPicker::pick_on_device`); `pick` reads it.
+#[derive(Default)]
+pub struct DeviceArgmax;
+
+impl DeviceArgmax {
+    fn ids(logits: &Array) -> ModelResult<Array> {
+        let vocab = logits.shape().last().copied().unwrap_or(0);
+        Ok(argmax_axis(&logits.reshape(&[-1, vocab])?, -1, false)?.as_dtype(Dtype::Uint32)?)
+    }
+}
+
+impl TokenPicker for DeviceArgmax {
+    fn is_greedy(&self) -> bool {
+        true
+    }
+    fn pick(&mut self, logits: &Array) -> ModelResult<Picked> {
+        let ids = Self::ids(logits)?;
+        ids.eval()?;
+        Ok(Picked {
+            tokens: ids.as_slice::<u32>().to_vec(),
+            probs: None,
+        })
+    }
+    fn pick_on_device(&mut self, logits: &Array) -> ModelResult<Option<Array>> {
+        Self::ids(logits).map(Some)
+    }
+}
+
 pub fn max_abs_diff(a: &Array, b: &Array) -> f32 {
     assert_eq!(a.shape(), b.shape());
     mlx_rs::ops::max(mlx_rs::ops::abs(a.subtract(b).unwrap()).unwrap(), None)
