@@ -441,7 +441,7 @@ impl DFlashDrafter {
         } else {
             ""
         };
-        let net = DraftNet::load(&mut weights, &config, prefix, dir, options.dtype).map_err(
+        let mut net = DraftNet::load(&mut weights, &config, prefix, dir, options.dtype).map_err(
             |e| match e {
                 // The fc width is the one shape that depends on the target: say so.
                 ModelError::ShapeMismatch { name, actual, .. }
@@ -452,7 +452,6 @@ impl DFlashDrafter {
                 other => other,
             },
         )?;
-        let mut net = net;
         let dtype = options.dtype.unwrap_or(request.target.dtype);
         net.context.use_kernels(request.options.kernels, dtype)?;
         Ok(Self {

@@ -490,7 +490,7 @@ impl DSparkDrafter {
             ..LoadOptions::default()
         };
         let mut weights = Weights::open(dir, &options)?;
-        let model = DSparkModel::load(&cfg, &mut weights, &config_path, options.dtype)?;
+        let mut model = DSparkModel::load(&cfg, &mut weights, &config_path, options.dtype)?;
         // Tensors nobody asked for mean the config describes another model (e.g. a
         // v_proj the config says k_eq_v has none of): refuse rather than draft wrong.
         let unused: Vec<&str> = weights
@@ -514,7 +514,6 @@ impl DSparkDrafter {
                 "--confidence-threshold needs a confidence head, but this checkpoint has `enable_confidence_head: false`; drop the flag",
             ));
         }
-        let mut model = model;
         let dtype = options.dtype.unwrap_or(request.target.dtype);
         model.context.use_kernels(request.options.kernels, dtype)?;
         Ok(Self {
