@@ -246,10 +246,6 @@ def table(rec):
         cost = report.get("round_cost") or {}
         steps = cost.get("in_plain_steps") or {}
         whole = steps.get("whole")
-        if not cost and report.get("speedup"):
-            # A build without round_cost: a round costs tau / speedup plain steps.
-            whole = report["tau"] / report["speedup"]
-            cost = {"plain_step_ms": 1e3 / report["plain_tokens_per_second"]}
         cells = ""
         for t in TAUS:
             # A round commits at most k + 1 tokens.
@@ -261,8 +257,7 @@ def table(rec):
                      f"{fmt(report.get('speedup'), '.2f', 'x'):>9} |{cells}")
     lines.append("plain step: 1 / the plain passes' decode rate in that line's process; "
                  "drafting / verify / whole: medians over its rounds that drafted; "
-                 "at tau T: T / whole steps ('-' where T > k + 1); a build without "
-                 "round_cost: whole = tau / speedup")
+                 "at tau T: T / whole steps ('-' where T > k + 1)")
     for key, first in (rec.get("first_rounds") or {}).items():
         rounds = "; ".join(f"draft {fmt(x['draft_ms'], '.1f')} + verify "
                            f"{fmt(x['verify_ms'], '.1f')} ms" for x in first["rounds"][:2])

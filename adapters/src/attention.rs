@@ -48,6 +48,22 @@ pub struct AttentionSpec {
     pub output_gate: bool,
 }
 
+impl AttentionSpec {
+    /// The build of dspec's CUDA attention kernel that takes this layer's short forwards
+    /// in `dtype`, causal (a verify) or a drafter's block; `None` where the kernel cannot
+    /// (head size, score softcapping, dtype, backend).
+    pub fn kernel_shape(&self, dtype: Dtype, causal: bool) -> Option<crate::cuda::AttentionShape> {
+        crate::cuda::attention::serves(self.head_dim, dtype, self.softcap.is_some()).then_some(
+            crate::cuda::AttentionShape {
+                head_dim: self.head_dim,
+                window: self.sliding_window,
+                scale: self.scale,
+                causal,
+            },
+        )
+    }
+}
+
 /// The q, k and v projections of one layer.
 // One per layer, built at load and never moved on the hot path: the variants' sizes
 // do not matter.
@@ -200,11 +216,23 @@ fn buffer_positions(offset: i32, len: i32, capacity: i32) -> Result<(Array, Arra
     ))
 }
 
-/// The [`Mask::WholeBuffer`] of a drafter's block: `len` positions after `offset` cached
-/// ones, each seeing every position of the block (no causal mask inside it) and the
-/// cached keys, under a window only those fewer than `window` positions behind it; keys
-/// past the block (the buffer's unwritten rest) are hidden. Over the whole buffer the
-/// key length is the capacity, so a backend that builds an attention plan per key length
+/// The [`Mask::Block`] of a drafter's block: `len` positions after `offset` cached ones,
+/// each seeing every position of the block (no causal mask inside it) and the cached
+/// keys, under a window only those fewer than `window` positions behind it.
+pub fn block_mask(offset: i32, len: i32, window: Option<i32>) -> Result<Mask> {
+    let inner = match window {
+        None => Mask::All,
+        Some(w) => {
+            let (q_pos, k_pos) = buffer_positions(offset, len, offset + len)?;
+            Mask::Keys(block_sees(&q_pos, &k_pos, offset, w)?)
+        }
+    };
+    Ok(Mask::Block(Box::new(inner)))
+}
+
+/// [`block_mask`] over a cache buffer of `capacity` positions, as an additive bias in
+/// `dtype` that also hides the buffer's unwritten rest. Over the whole buffer the key
+/// length is the capacity, so a backend that builds an attention plan per key length
 /// (cuDNN on CUDA, see [`whole_buffer_pays`]) builds one per capacity, not one per round
 /// as the context grows.
 pub fn whole_buffer_block_mask(
@@ -218,13 +246,19 @@ pub fn whole_buffer_block_mask(
     let written = broadcast_to(&k_pos.lt(Array::from_int(offset + len))?, &[len, capacity])?;
     let visible = match window {
         None => written,
-        Some(w) => {
-            let in_block = k_pos.ge(Array::from_int(offset))?;
-            let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(w))?;
-            written.logical_and(&in_block.logical_or(&near)?)?
-        }
+        Some(w) => written.logical_and(&block_sees(&q_pos, &k_pos, offset, w)?)?,
     };
-    whole_buffer_bias(&visible, len, capacity, dtype)
+    Ok(Mask::Block(Box::new(whole_buffer_bias(
+        &visible, len, capacity, dtype,
+    )?)))
+}
+
+/// Keys `k_pos` a block's queries at `q_pos` see under a window `w` when the block starts
+/// at `offset`: the whole block, and the cached keys fewer than `w` positions behind.
+fn block_sees(q_pos: &Array, k_pos: &Array, offset: i32, w: i32) -> Result<Array> {
+    let in_block = k_pos.ge(Array::from_int(offset))?;
+    let near = q_pos.subtract(k_pos)?.lt(Array::from_int(w))?;
+    Ok(in_block.logical_or(&near)?)
 }
 
 /// The additive bias of `visible` (`[len, capacity]` booleans) in `dtype`.
@@ -430,18 +464,9 @@ impl Attention {
         self.spec.sliding_window
     }
 
-    /// Whether dspec's CUDA attention kernel can take this layer's short forwards in
-    /// `dtype`, and the build it needs for them, causal or a drafter's block.
+    /// See [`AttentionSpec::kernel_shape`].
     pub fn kernel_shape(&self, dtype: Dtype, causal: bool) -> Option<crate::cuda::AttentionShape> {
-        let s = &self.spec;
-        crate::cuda::attention::serves(s.head_dim, dtype, s.softcap.is_some()).then_some(
-            crate::cuda::AttentionShape {
-                head_dim: s.head_dim,
-                window: s.sliding_window,
-                scale: s.scale,
-                causal,
-            },
-        )
+        self.spec.kernel_shape(dtype, causal)
     }
 
     pub fn quantized_bits(&self) -> Option<i32> {
@@ -812,14 +837,16 @@ mod tests {
         }
     }
 
-    /// A drafter's block over the cache's whole buffer (how it runs on CUDA) attends as
-    /// it does over the written keys alone: every block position sees the whole block and
-    /// the context (under a window, only the context within it), never the buffer's
-    /// unwritten rest, which holds stale keys here on purpose.
+    /// A drafter's block attends by the block rule, over the written keys ([`block_mask`])
+    /// and over the cache's whole buffer as it runs on CUDA ([`whole_buffer_block_mask`]):
+    /// every block position sees the whole block and the context (under a window, only
+    /// the context within it), never the buffer's unwritten rest, which holds stale keys
+    /// here on purpose.
     #[test]
     fn blocks_over_the_whole_buffer_attend_like_blocks_over_the_written_keys() {
         let key = random::key(8).unwrap();
-        for (context, window) in [(9, None), (20, Some(7))] {
+        // A window shorter than the block too: the block must still see all of itself.
+        for (context, window) in [(9, None), (20, Some(7)), (20, Some(3))] {
             let attn = layer(window, 4);
             let block = 5;
             let x = random::normal::<f32>(&[1, context + 2 * block, 32], None, None, Some(&key))
@@ -835,50 +862,54 @@ mod tests {
             attn.append_context(&stale, &mut whole).unwrap();
             whole.trim(2 * block as usize).unwrap();
 
-            let q_pos = arange::<_, i32>(context, context + block, None)
-                .unwrap()
-                .reshape(&[block, 1])
-                .unwrap();
-            let k_pos = arange::<_, i32>(0, context + block, None)
-                .unwrap()
-                .reshape(&[1, context + block])
-                .unwrap();
-            let keys = Mask::Block(Box::new(match window {
-                None => Mask::All,
-                Some(w) => Mask::Keys(
-                    k_pos
-                        .ge(Array::from_int(context))
-                        .unwrap()
-                        .logical_or(
-                            q_pos
-                                .subtract(&k_pos)
-                                .unwrap()
-                                .lt(Array::from_int(w))
-                                .unwrap(),
-                        )
-                        .unwrap(),
-                ),
-            }));
-            let want = attn.forward(&blk, &mut written, &keys).unwrap();
+            // What a block position sees, written out here rather than taken from the
+            // code under test: every key without a window; under one, the block and the
+            // context keys fewer than `w` behind the query.
+            let sees = |q: i32, k: i32| window.is_none_or(|w| k >= context || q - k < w);
+            let total = context + block;
+            let rule: Vec<bool> = (context..total)
+                .flat_map(|q| (0..total).map(move |k| (q, k)))
+                .map(|(q, k)| sees(q, k))
+                .collect();
+            let rule = Mask::Block(Box::new(Mask::Keys(Array::from_slice(
+                &rule,
+                &[block, total],
+            ))));
+            let mut reference = KvCache::default();
+            attn.append_context(&ctx, &mut reference).unwrap();
+            let want = attn.forward(&blk, &mut reference, &rule).unwrap();
             let capacity = whole.capacity_for(context as usize + block as usize) as i32;
-            let mask =
+            let over_buffer =
                 whole_buffer_block_mask(context, block, capacity, window, Dtype::Float32).unwrap();
-            let got = attn
-                .forward(&blk, &mut whole, &Mask::Block(Box::new(mask)))
-                .unwrap();
-            let gap = got
-                .subtract(&want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max(None)
-                .unwrap()
-                .try_item_cast::<f32>()
-                .unwrap();
-            assert!(
-                gap < 1e-5,
-                "context {context}, window {window:?}: off by {gap}"
-            );
+            for (path, got) in [
+                (
+                    "block_mask",
+                    attn.forward(
+                        &blk,
+                        &mut written,
+                        &block_mask(context, block, window).unwrap(),
+                    ),
+                ),
+                (
+                    "whole_buffer_block_mask",
+                    attn.forward(&blk, &mut whole, &over_buffer),
+                ),
+            ] {
+                let gap = got
+                    .unwrap()
+                    .subtract(&want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max(None)
+                    .unwrap()
+                    .try_item_cast::<f32>()
+                    .unwrap();
+                assert!(
+                    gap < 1e-5,
+                    "{path}, context {context}, window {window:?}: off by {gap}"
+                );
+            }
         }
     }
 

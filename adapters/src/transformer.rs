@@ -197,23 +197,6 @@ pub struct Decoder {
     _warm_up: Option<cuda::WarmUp>,
 }
 
-/// The attention kernel builds the layers of `spec` call, one per distinct shape.
-fn attention_shapes(spec: &DecoderSpec) -> Vec<cuda::AttentionShape> {
-    let mut shapes: Vec<cuda::AttentionShape> = Vec::new();
-    for a in &spec.layers {
-        let shape = cuda::AttentionShape {
-            head_dim: a.head_dim,
-            window: a.sliding_window,
-            scale: a.scale,
-            causal: true,
-        };
-        if !shapes.contains(&shape) {
-            shapes.push(shape);
-        }
-    }
-    shapes
-}
-
 /// Bytes of weights one decode step reads, from the spec's shapes at `bytes_per_weight`:
 /// every layer's projections and the output head (a tied embedding is read whole as the
 /// head; as an embedding only one row is gathered).
@@ -283,18 +266,23 @@ impl Decoder {
         };
         // `--verify exact` promises one-token kernels for verifies, and reads prompts
         // whole rather than in pieces: nothing for these kernels to do.
-        let kernels = cuda::available(dtype)
-            && !w.options().rowwise_verify
-            && spec
-                .layers
-                .iter()
-                .all(|a| cuda::attention::serves(a.head_dim, dtype, a.softcap.is_some()))
-            && cuda::wanted(
-                step_weight_bytes(&spec, bytes_per_weight),
-                w.options().verify_kernels,
-                w.options().verifies_waited_on,
-            );
-        let warm_up = kernels.then(|| cuda::warm_up(dtype, attention_shapes(&spec)));
+        // The attention kernel builds the layers call, where it serves every layer.
+        let shapes: Option<Vec<cuda::AttentionShape>> = spec
+            .layers
+            .iter()
+            .map(|a| a.kernel_shape(dtype, true))
+            .collect();
+        let shapes = shapes.filter(|_| {
+            cuda::available(dtype)
+                && !w.options().rowwise_verify
+                && cuda::wanted(
+                    step_weight_bytes(&spec, bytes_per_weight),
+                    w.options().verify_kernels,
+                    w.options().verifies_waited_on,
+                )
+        });
+        let kernels = shapes.is_some();
+        let warm_up = shapes.map(|shapes| cuda::warm_up(dtype, shapes));
         let mut layers = Vec::with_capacity(spec.layers.len());
         for (i, attn_spec) in spec.layers.iter().enumerate() {
             layers.push(DecoderLayer::load_parallel(

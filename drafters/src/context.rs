@@ -4,10 +4,9 @@
 //! committed; a draft block then runs through the layers against `[context ; block]`
 //! with no causal mask inside the block, and leaves the caches holding the context only.
 
-use mlx_rs::ops::arange;
 use mlx_rs::{Array, Dtype};
 
-use dspec_adapters::attention::{whole_buffer_block_mask, whole_buffer_pays, Mask};
+use dspec_adapters::attention::{block_mask, whole_buffer_block_mask, whole_buffer_pays, Mask};
 use dspec_adapters::cuda;
 use dspec_adapters::layers::{Linear, RmsNorm};
 use dspec_adapters::transformer::DecoderLayer;
@@ -70,13 +69,7 @@ impl ContextLayers {
         for layer in &mut self.layers {
             layer.use_short_kernels(true)?;
         }
-        let mut distinct: Vec<cuda::AttentionShape> = Vec::new();
-        for shape in shapes {
-            if !distinct.contains(&shape) {
-                distinct.push(shape);
-            }
-        }
-        self.kernels = Some(cuda::warm_up(dtype, distinct));
+        self.kernels = Some(cuda::warm_up(dtype, shapes));
         Ok(())
     }
 
@@ -153,7 +146,7 @@ impl ContextLayers {
                     } else {
                         block_mask(context as i32, block, window)?
                     };
-                    masks.push((window, Mask::Block(Box::new(mask))));
+                    masks.push((window, mask));
                     masks.len() - 1
                 }
             };
@@ -166,18 +159,4 @@ impl ContextLayers {
         }
         Ok(x)
     }
-}
-
-/// Which keys of `[context ; block]` the block's queries see under a sliding window:
-/// every block key (no causal mask inside the block), and context keys fewer than
-/// `window` positions behind the query. `None` without a window: everything.
-fn block_mask(context: i32, block: i32, window: Option<i32>) -> Result<Mask> {
-    let Some(window) = window else {
-        return Ok(Mask::All);
-    };
-    let q_pos = arange::<_, i32>(context, context + block, None)?.reshape(&[block, 1])?;
-    let k_pos = arange::<_, i32>(0, context + block, None)?.reshape(&[1, context + block])?;
-    let in_block = k_pos.ge(Array::from_int(context))?;
-    let near = q_pos.subtract(&k_pos)?.lt(Array::from_int(window))?;
-    Ok(Mask::Keys(in_block.logical_or(&near)?))
 }

@@ -535,9 +535,7 @@ impl Drafter for DFlashDrafter {
         let vocab = logits.shape().last().copied().unwrap_or(0);
         let rows = logits.reshape(&[wanted as i32, vocab])?;
         if let Some(ids) = picker.pick_on_device(&rows)? {
-            // Queued now: the device drafts while the engine builds the verify on them.
-            mlx_rs::transforms::async_eval([&ids])?;
-            return Ok(Draft::on_device(ids));
+            return Draft::on_device(ids);
         }
         let mut draft = Draft::default();
         draft.extend(picker.pick(&rows)?)?;

@@ -622,13 +622,13 @@ impl DSparkDrafter {
             None => None,
         };
         let Some(confidences) = confidences else {
-            // Queued now: the device drafts while the engine builds the verify on them.
-            mlx_rs::transforms::async_eval([&tokens])?;
-            return Ok(Some(Draft::on_device(tokens)));
+            return Draft::on_device(tokens).map(Some);
         };
         mlx_rs::transforms::eval([&tokens, &confidences])?;
-        let mut draft = Draft::on_device(tokens);
-        draft.read()?;
+        let mut draft = Draft {
+            tokens: tokens.as_slice::<u32>().to_vec(),
+            ..Draft::default()
+        };
         self.cut(&mut draft, Some(&confidences))?;
         Ok(Some(draft))
     }

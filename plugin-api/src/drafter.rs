@@ -31,12 +31,14 @@ pub struct Draft {
 }
 
 impl Draft {
-    /// Drafts left on the device (see [`Draft::on_device`]).
-    pub fn on_device(ids: Array) -> Self {
-        Self {
+    /// Drafts left on the device (see [`Draft::on_device`]), queued now: the device
+    /// computes them while the engine builds the verify on them.
+    pub fn on_device(ids: Array) -> Result<Self> {
+        mlx_rs::transforms::async_eval([&ids])?;
+        Ok(Self {
             on_device: Some(ids),
             ..Self::default()
-        }
+        })
     }
 
     /// Drafts proposed, on the host or on the device.
@@ -367,7 +369,7 @@ mod tests {
     #[test]
     fn drafts_on_the_device_count_cut_and_read_like_host_drafts() {
         let ids = Array::from_slice(&[7u32, 3, 9, 4], &[4]);
-        let mut draft = Draft::on_device(ids);
+        let mut draft = Draft::on_device(ids).unwrap();
         assert_eq!((draft.len(), draft.tokens.len()), (4, 0));
         draft.truncate(3).unwrap();
         assert_eq!(draft.len(), 3);
@@ -376,7 +378,7 @@ mod tests {
         assert!(draft.on_device.is_none());
         assert_eq!(draft.len(), 3);
 
-        let mut draft = Draft::on_device(Array::from_slice(&[5i32, 6], &[2]));
+        let mut draft = Draft::on_device(Array::from_slice(&[5i32, 6], &[2])).unwrap();
         draft.extend(picked(&[8], None)).unwrap();
         assert_eq!(draft.tokens, vec![5, 6, 8]);
         assert!(Draft::default().is_empty());

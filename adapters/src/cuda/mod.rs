@@ -124,11 +124,18 @@ impl Drop for WarmUp {
     }
 }
 
-/// Compiles the kernels a model in `dtype` with these attention shapes will call, on a
-/// thread of its own (MLX evaluates from several threads, each on its own stream, and
-/// shares what it compiled). Calls that come first wait for the compile instead of
+/// Compiles the kernels a model in `dtype` whose layers have these attention shapes will
+/// call, on a thread of its own (MLX evaluates from several threads, each on its own
+/// stream, and shares what it compiled). Calls that come first wait for the compile instead of
 /// starting another. A failure is left for the real call to report.
-pub fn warm_up(dtype: Dtype, shapes: Vec<AttentionShape>) -> WarmUp {
+pub fn warm_up(dtype: Dtype, layers: Vec<AttentionShape>) -> WarmUp {
+    // One build per distinct shape: layers share them.
+    let mut shapes: Vec<AttentionShape> = Vec::new();
+    for shape in layers {
+        if !shapes.contains(&shape) {
+            shapes.push(shape);
+        }
+    }
     let compile = move || -> Result<()> {
         let zeros = |shape: &[i32]| Array::zeros::<f32>(shape)?.as_dtype(dtype);
         let mut outs = vec![product::product(&zeros(&[1, 2, 8])?, &zeros(&[8, 8])?)?];

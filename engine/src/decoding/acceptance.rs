@@ -14,6 +14,8 @@ use mlx_rs::ops::{concatenate, maximum, select, softmax_axis};
 use mlx_rs::random::uniform;
 use mlx_rs::{Array, Dtype};
 
+use dspec_plugin_api::Draft;
+
 use crate::decoding::sampling::Sampler;
 use crate::error::EngineError;
 
@@ -35,14 +37,22 @@ pub(crate) fn host_ids(ids: &Array) -> Result<Vec<u32>, EngineError> {
         .to_vec())
 }
 
-/// Argmax of every row of `[.., V]` logits, on the host (one sync for all rows).
-pub fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
-    host_ids(&argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?)
+/// Argmax of every row of `[.., V]` logits as uint32 ids, lazy (on the device).
+pub fn argmax_ids(logits: &Array) -> Result<Array, EngineError> {
+    Ok(argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?)
 }
 
-/// Greedy acceptance of `drafts` against `logits` (`[drafts + 1, V]`).
-pub fn accept_greedy(logits: &Array, drafts: &[u32]) -> Result<Accepted, EngineError> {
-    greedy_prefix(&argmax_all(logits)?, drafts)
+/// Argmax of every row of `[.., V]` logits, on the host (one sync for all rows).
+pub fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
+    host_ids(&argmax_ids(logits)?)
+}
+
+/// Greedy acceptance of `draft` against `logits` (`[drafts + 1, V]`). Drafts still on the
+/// device are read with the target's argmax, in one wait.
+pub fn accept_greedy(logits: &Array, draft: &mut Draft) -> Result<Accepted, EngineError> {
+    let target = argmax_ids(logits)?;
+    mlx_rs::transforms::eval(std::iter::once(&target).chain(&draft.on_device))?;
+    greedy_prefix(&host_ids(&target)?, draft.read()?)
 }
 
 /// Greedy acceptance of `drafts` against the target's argmax at every position fed
@@ -150,6 +160,13 @@ mod tests {
         })
     }
 
+    fn host_draft(tokens: &[u32]) -> Draft {
+        Draft {
+            tokens: tokens.to_vec(),
+            ..Draft::default()
+        }
+    }
+
     /// Logits whose softmax is `probs` (rows of a tiny vocabulary).
     fn logits_of(rows: &[&[f32]]) -> Array {
         let vocab = rows[0].len();
@@ -160,7 +177,7 @@ mod tests {
     #[test]
     fn greedy_keeps_the_matching_prefix_and_adds_the_argmax() {
         let logits = logits_of(&[&[0.1, 0.7, 0.2], &[0.6, 0.3, 0.1], &[0.2, 0.2, 0.6]]);
-        let got = accept_greedy(&logits, &[1, 2]).unwrap();
+        let got = accept_greedy(&logits, &mut host_draft(&[1, 2])).unwrap();
         assert_eq!(
             got,
             Accepted {
@@ -168,7 +185,7 @@ mod tests {
                 token: 0
             }
         );
-        let got = accept_greedy(&logits, &[1, 0]).unwrap();
+        let got = accept_greedy(&logits, &mut host_draft(&[1, 0])).unwrap();
         assert_eq!(
             got,
             Accepted {

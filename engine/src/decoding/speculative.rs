@@ -13,7 +13,7 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{concatenate, softmax_axis};
 use mlx_rs::transforms::async_eval;
 use mlx_rs::{Array, Dtype};
@@ -23,7 +23,9 @@ use dspec_adapters::attention::{reserve_for_generation, WHOLE_BUFFER_MAX_TOKENS}
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Drafter, ModelCache, ModelError, Picked, TargetModel, TokenPicker};
 
-use crate::decoding::acceptance::{accept_sampled, argmax_all, greedy_prefix, host_ids, Accepted};
+use crate::decoding::acceptance::{
+    accept_greedy, accept_sampled, argmax_all, argmax_ids, greedy_prefix, host_ids, Accepted,
+};
 use crate::decoding::draft_length::DraftLength;
 use crate::decoding::generate::{
     pick_next, prefill_with_taps, token_value, GenerationConfig, GenerationStats, StopReason,
@@ -64,10 +66,6 @@ pub struct SpeculativeStats {
     /// Every round that drafted, in order, for callers that pool rounds over runs.
     #[serde(skip)]
     pub round_times: Vec<RoundTime>,
-    /// Seconds of each plain step this generation ran with the step before it still in
-    /// flight, as plain decoding runs every step.
-    #[serde(skip)]
-    pub plain_step_seconds: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -124,9 +122,8 @@ impl TokenPicker for EnginePicker<'_> {
         }
         let vocab = logits.shape().last().copied().unwrap_or(0);
         let rows = logits.reshape(&[-1, vocab])?;
-        Ok(Some(
-            argmax_axis(&rows, -1, false)?.as_dtype(Dtype::Uint32)?,
-        ))
+        let to_model = |e: EngineError| ModelError::Unsupported(e.to_string());
+        argmax_ids(&rows).map(Some).map_err(to_model)
     }
 }
 
@@ -272,6 +269,8 @@ struct Tally {
     drafted_histogram: Vec<usize>,
     draft_time: Duration,
     round_times: Vec<RoundTime>,
+    /// Seconds of each plain step run with the step before it still in flight, as plain
+    /// decoding runs every step: what a round's cost is set against.
     plain_step_seconds: Vec<f64>,
 }
 
@@ -476,11 +475,7 @@ impl Rounds<'_, '_, '_> {
             drafts: accepted,
             token: next,
         } = match self.sampler.as_mut() {
-            None => {
-                let target = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
-                mlx_rs::transforms::eval(std::iter::once(&target).chain(&draft.on_device))?;
-                greedy_prefix(&host_ids(&target)?, draft.read()?)?
-            }
+            None => accept_greedy(&logits, &mut draft)?,
             Some(s) => {
                 draft.read()?;
                 accept_sampled(&logits, &draft.tokens, draft.probs.as_ref(), s)?
@@ -503,20 +498,16 @@ impl Rounds<'_, '_, '_> {
         // The controller weighs whole rounds: from the verify to the next round, the
         // drafter's and the text's bookkeeping included, as a plain step is timed from
         // token to token.
-        let after_drafting = t.elapsed().as_secs_f64();
+        let since_verify = t.elapsed().as_secs_f64();
         match draft.tokens.len() {
-            0 => self.length.observe_empty(after_drafting),
+            0 => self.length.observe_empty(since_verify),
             drafted => {
-                self.length.observe(
-                    drafted,
-                    accepted,
-                    draft_elapsed.as_secs_f64(),
-                    after_drafting,
-                );
+                self.length
+                    .observe(drafted, accepted, draft_elapsed.as_secs_f64(), since_verify);
                 self.tally.round_times.push(RoundTime {
                     draft: draft_elapsed.as_secs_f64(),
                     verify: verify_elapsed.as_secs_f64(),
-                    whole: draft_elapsed.as_secs_f64() + after_drafting,
+                    whole: draft_elapsed.as_secs_f64() + since_verify,
                 });
             }
         }
@@ -618,7 +609,7 @@ impl Rounds<'_, '_, '_> {
                 };
                 let out = self.model.forward(&input, &mut self.cache, &self.taps)?;
                 let logits = out.logits.try_index(0)?;
-                let argmax = argmax_axis(&logits, -1, false)?.as_dtype(Dtype::Uint32)?;
+                let argmax = argmax_ids(&logits)?;
                 Ok((out, logits, argmax))
             },
             |(out, _, argmax)| {
@@ -1122,7 +1113,6 @@ pub fn generate_speculative_serving(
         round_cost: RoundCost::of(&tally.round_times)
             .map(|cost| cost.against(median(&tally.plain_step_seconds).map(|s| s * 1e3))),
         round_times: tally.round_times,
-        plain_step_seconds: tally.plain_step_seconds,
     };
     Ok(SpeculativeOutput {
         text: committer.sink.text,

@@ -253,7 +253,6 @@ mod tests {
                 draft_time_share: 0.1,
                 round_cost: None,
                 round_times: Vec::new(),
-                plain_step_seconds: Vec::new(),
             },
             prompt_cache: PromptCacheUsage::default(),
             logprobs: None,
