@@ -21,5 +21,6 @@ pub mod serve;
 pub mod text;
 #[cfg(feature = "test-fixtures")]
 pub mod tiny_model;
+pub mod training;
 
 pub use error::EngineError;

@@ -12,6 +12,7 @@ mod generate;
 mod prompt;
 mod score;
 mod serve;
+mod train_drafter;
 
 use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -55,6 +56,9 @@ pub enum Command {
     /// Serve a target and its drafter over an OpenAI-compatible HTTP API (chat and text
     /// completions, streamed or not), speculative decoding on for every request.
     Serve(serve::ServeArgs),
+    /// Train a DFlash drafter for a target on the target's own answers to your prompts
+    /// (or on your text), on any MLX backend; the result loads with --drafter DIR.
+    TrainDrafter(train_drafter::TrainDrafterArgs),
 }
 
 impl Command {
@@ -67,6 +71,7 @@ impl Command {
             Command::Adapters(args) => adapters::run(args, plugins),
             Command::Convert(args) => convert::run(args),
             Command::Serve(args) => serve::run(args, plugins),
+            Command::TrainDrafter(args) => train_drafter::run(args, plugins),
         }
     }
 }
@@ -94,7 +99,15 @@ mod tests {
     fn every_subcommand_is_listed() {
         assert_eq!(
             command_names(),
-            ["generate", "bench", "score", "adapters", "convert", "serve"]
+            [
+                "generate",
+                "bench",
+                "score",
+                "adapters",
+                "convert",
+                "serve",
+                "train-drafter"
+            ]
         );
     }
 }

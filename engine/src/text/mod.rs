@@ -3,6 +3,7 @@
 
 pub mod chat_template;
 pub mod detokenize;
+pub mod prompt;
 pub mod stop;
 pub mod tokenizer;
 pub mod tool_calls;

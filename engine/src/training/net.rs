@@ -1,0 +1,300 @@
+//! The block drafter's layers as training runs them: every anchor of a sequence at once,
+//! as a function of a parameter map (so MLX's autograd differentiates it), by the
+//! published checkpoints' tensor names.
+//!
+//! Inference runs one block at a time over a growing context cache
+//! (`dspec_drafters::context`); here a sequence's whole context is projected once and
+//! each anchor's block attends to the context positions before its anchor and to itself,
+//! with no causal mask inside the block — what inference computes for that anchor. The
+//! layers are Qwen3's (q/k norms, RoPE on both, grouped-query attention, SwiGLU), in f32.
+//! `tests::training_blocks_are_the_inference_drafters_blocks` holds the two paths equal.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::{concatenate, matmul, sigmoid, softmax_axis};
+use mlx_rs::Array;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::error::EngineError;
+
+/// Parameters by tensor name, as mlx-rs's keyed autograd takes them.
+pub type Params = HashMap<Rc<str>, Array>;
+
+type Result<T> = std::result::Result<T, EngineError>;
+
+/// What hides a key: finite, so no row of scores is all −∞ (a row always sees its block).
+const HIDDEN: f32 = -1e9;
+
+/// The drafter's shapes, from its config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetShape {
+    pub hidden: i32,
+    pub intermediate: i32,
+    pub layers: usize,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    /// Width of the target's tap states (`taps × target hidden`), `fc`'s input.
+    pub tap_width: i32,
+    pub eps: f32,
+    pub rope_theta: f32,
+    /// Per layer: the sliding window, `None` for full attention.
+    pub windows: Vec<Option<i32>>,
+}
+
+impl NetShape {
+    /// Every tensor the drafter's layers hold, with its shape (norm weights are 1-D).
+    pub fn tensors(&self) -> Vec<(String, Vec<i32>)> {
+        let (h, d) = (self.hidden, self.head_dim);
+        let mut all = vec![
+            ("fc.weight".to_string(), vec![h, self.tap_width]),
+            ("hidden_norm.weight".to_string(), vec![h]),
+        ];
+        for i in 0..self.layers {
+            let p = format!("layers.{i}");
+            all.extend([
+                (format!("{p}.input_layernorm.weight"), vec![h]),
+                (
+                    format!("{p}.self_attn.q_proj.weight"),
+                    vec![self.heads * d, h],
+                ),
+                (
+                    format!("{p}.self_attn.k_proj.weight"),
+                    vec![self.kv_heads * d, h],
+                ),
+                (
+                    format!("{p}.self_attn.v_proj.weight"),
+                    vec![self.kv_heads * d, h],
+                ),
+                (
+                    format!("{p}.self_attn.o_proj.weight"),
+                    vec![h, self.heads * d],
+                ),
+                (format!("{p}.self_attn.q_norm.weight"), vec![d]),
+                (format!("{p}.self_attn.k_norm.weight"), vec![d]),
+                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+                (
+                    format!("{p}.mlp.gate_proj.weight"),
+                    vec![self.intermediate, h],
+                ),
+                (
+                    format!("{p}.mlp.up_proj.weight"),
+                    vec![self.intermediate, h],
+                ),
+                (
+                    format!("{p}.mlp.down_proj.weight"),
+                    vec![h, self.intermediate],
+                ),
+            ]);
+        }
+        all.push(("norm.weight".to_string(), vec![h]));
+        all
+    }
+}
+
+/// Fresh parameters: norms at one, each product uniform in ±1/√inputs (the usual
+/// fan-in scale, which keeps activations' size through the layers), from `seed` alone.
+pub fn initial_params(tensors: &[(String, Vec<i32>)], seed: u64) -> Params {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    tensors
+        .iter()
+        .map(|(name, shape)| {
+            let count: i32 = shape.iter().product();
+            let values: Vec<f32> = if shape.len() == 1 {
+                vec![1.0; count as usize]
+            } else {
+                let bound = 1.0 / (shape[shape.len() - 1] as f32).sqrt();
+                (0..count)
+                    .map(|_| rng.random_range(-bound..bound))
+                    .collect()
+            };
+            (Rc::from(name.as_str()), Array::from_slice(&values, shape))
+        })
+        .collect()
+}
+
+/// One sequence's inputs to the drafter's layers.
+pub struct BlockInputs {
+    /// The target's tap states of the sequence, `[T, tap_width]` f32.
+    pub context: Array,
+    /// The blocks `[anchor token, mask, …]` through the target's embedding, `[N, B, hidden]` f32.
+    pub blocks: Array,
+    /// Each block's anchor position: it sees the context before it.
+    pub anchors: Vec<i32>,
+}
+
+fn param<'a>(params: &'a Params, name: &str) -> Result<&'a Array> {
+    params
+        .get(name)
+        .ok_or_else(|| EngineError::Invalid(format!("drafter parameter `{name}` is missing")))
+}
+
+/// `x · wᵀ`.
+fn linear(params: &Params, name: &str, x: &Array) -> Result<Array> {
+    Ok(matmul(x, param(params, name)?.t())?)
+}
+
+fn norm(params: &Params, name: &str, x: &Array, eps: f32) -> Result<Array> {
+    Ok(rms_norm(x, Some(param(params, name)?), eps)?)
+}
+
+/// Rotates `x` (`[L, heads, D]`) by each row's position (`positions`, `[L]`): pairs
+/// `(i, i + D/2)` by `position · θ^(−2i/D)`, as non-interleaved RoPE does.
+fn rotate(x: &Array, positions: &[i32], theta: f32) -> Result<Array> {
+    let d = x.shape()[2];
+    let half = d / 2;
+    let inv: Vec<f64> = (0..half)
+        .map(|i| (theta as f64).powf(-2.0 * i as f64 / d as f64))
+        .collect();
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for &p in positions {
+        for &f in &inv {
+            let angle = p as f64 * f;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let shape = [positions.len() as i32, 1, half];
+    let (cos, sin) = (
+        Array::from_slice(&cos, &shape),
+        Array::from_slice(&sin, &shape),
+    );
+    let x1 = x.try_index((.., .., ..half))?;
+    let x2 = x.try_index((.., .., half..))?;
+    Ok(concatenate(
+        &[
+            x1.multiply(&cos)?.subtract(x2.multiply(&sin)?)?,
+            x2.multiply(&cos)?.add(x1.multiply(&sin)?)?,
+        ],
+        -1,
+    )?)
+}
+
+/// The additive mask of the blocks' queries (`[N·B]`) over `[context (T) ; blocks (N·B)]`:
+/// a block sees the context before its anchor (within `window` positions of the query)
+/// and the whole of itself.
+fn block_mask(anchors: &[i32], block: i32, context: i32, window: Option<i32>) -> Array {
+    let queries = anchors.len() as i32 * block;
+    let keys = context + queries;
+    let mut mask = vec![HIDDEN; (queries * keys) as usize];
+    for (n, &anchor) in anchors.iter().enumerate() {
+        for j in 0..block {
+            let q = n as i32 * block + j;
+            let row = &mut mask[(q * keys) as usize..((q + 1) * keys) as usize];
+            let position = anchor + j;
+            for (k, seen) in row
+                .iter_mut()
+                .enumerate()
+                .take(anchor.min(context) as usize)
+            {
+                if window.is_none_or(|w| position - (k as i32) < w) {
+                    *seen = 0.0;
+                }
+            }
+            let own = (context + n as i32 * block) as usize;
+            row[own..own + block as usize].fill(0.0);
+        }
+    }
+    Array::from_slice(&mask, &[queries, keys])
+}
+
+/// Scaled dot-product attention of `q` (`[Lq, heads, D]`) over `k`, `v` (`[Lk, kv_heads, D]`)
+/// under the additive `mask` (`[Lq, Lk]`); `[Lq, heads·D]`.
+fn attend(q: &Array, k: &Array, v: &Array, mask: &Array, shape: &NetShape) -> Result<Array> {
+    let (lq, lk, d) = (q.shape()[0], k.shape()[0], shape.head_dim);
+    let group = shape.heads / shape.kv_heads;
+    let q = q
+        .transpose_axes(&[1, 0, 2])?
+        .reshape(&[shape.kv_heads, group, lq, d])?;
+    let k = k
+        .transpose_axes(&[1, 2, 0])?
+        .reshape(&[shape.kv_heads, 1, d, lk])?;
+    let v = v
+        .transpose_axes(&[1, 0, 2])?
+        .reshape(&[shape.kv_heads, 1, lk, d])?;
+    let scale = Array::from_f32(1.0 / (d as f32).sqrt());
+    let scores = matmul(&q, &k)?.multiply(&scale)?.add(mask)?;
+    let out = matmul(&softmax_axis(&scores, -1, true)?, &v)?;
+    Ok(out
+        .reshape(&[shape.heads, lq, d])?
+        .transpose_axes(&[1, 0, 2])?
+        .reshape(&[lq, shape.heads * d])?)
+}
+
+fn heads(x: &Array, n: i32, d: i32) -> Result<Array> {
+    Ok(x.reshape(&[x.shape()[0], n, d])?)
+}
+
+/// The blocks through every layer and the final norm: `[N, B, hidden]`.
+pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> Result<Array> {
+    let (n, block) = (inputs.blocks.shape()[0], inputs.blocks.shape()[1]);
+    let t = inputs.context.shape()[0];
+    let (d, eps) = (shape.head_dim, shape.eps);
+    let fused = norm(
+        params,
+        "hidden_norm.weight",
+        &linear(params, "fc.weight", &inputs.context)?,
+        eps,
+    )?;
+    let context_positions: Vec<i32> = (0..t).collect();
+    let block_positions: Vec<i32> = inputs
+        .anchors
+        .iter()
+        .flat_map(|&a| (0..block).map(move |j| a + j))
+        .collect();
+    let mut masks: Vec<(Option<i32>, Array)> = Vec::new();
+    let mut x = inputs.blocks.reshape(&[n * block, shape.hidden])?;
+    for (i, &window) in shape.windows.iter().enumerate() {
+        let p = |name: &str| format!("layers.{i}.{name}");
+        let mask = match masks.iter().find(|(w, _)| *w == window) {
+            Some((_, m)) => m.clone(),
+            None => {
+                let m = block_mask(&inputs.anchors, block, t, window);
+                masks.push((window, m.clone()));
+                m
+            }
+        };
+        let h = norm(params, &p("input_layernorm.weight"), &x, eps)?;
+        let keys_of = |source: &Array, positions: &[i32]| -> Result<(Array, Array)> {
+            let k = heads(
+                &linear(params, &p("self_attn.k_proj.weight"), source)?,
+                shape.kv_heads,
+                d,
+            )?;
+            let k = norm(params, &p("self_attn.k_norm.weight"), &k, eps)?;
+            let v = heads(
+                &linear(params, &p("self_attn.v_proj.weight"), source)?,
+                shape.kv_heads,
+                d,
+            )?;
+            Ok((rotate(&k, positions, shape.rope_theta)?, v))
+        };
+        let (context_k, context_v) = keys_of(&fused, &context_positions)?;
+        let (block_k, block_v) = keys_of(&h, &block_positions)?;
+        let q = heads(
+            &linear(params, &p("self_attn.q_proj.weight"), &h)?,
+            shape.heads,
+            d,
+        )?;
+        let q = rotate(
+            &norm(params, &p("self_attn.q_norm.weight"), &q, eps)?,
+            &block_positions,
+            shape.rope_theta,
+        )?;
+        let k = concatenate(&[context_k, block_k], 0)?;
+        let v = concatenate(&[context_v, block_v], 0)?;
+        let attended = attend(&q, &k, &v, &mask, shape)?;
+        x = x.add(linear(params, &p("self_attn.o_proj.weight"), &attended)?)?;
+        let h = norm(params, &p("post_attention_layernorm.weight"), &x, eps)?;
+        let gate = linear(params, &p("mlp.gate_proj.weight"), &h)?;
+        let up = linear(params, &p("mlp.up_proj.weight"), &h)?;
+        let act = gate.multiply(sigmoid(&gate)?)?.multiply(&up)?;
+        x = x.add(linear(params, &p("mlp.down_proj.weight"), &act)?)?;
+    }
+    let out = norm(params, "norm.weight", &x, eps)?;
+    Ok(out.reshape(&[n, block, shape.hidden])?)
+}

@@ -1,0 +1,290 @@
+//! The training loop: steps of anchored blocks through autograd and AdamW, a progress
+//! line, acceptance measured every few steps, checkpoints to resume from.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Instant;
+
+use mlx_rs::optimizers::{clip_grad_norm, AdamW, Optimizer};
+use mlx_rs::transforms::keyed_value_and_grad;
+use mlx_rs::Array;
+use serde_json::json;
+
+use super::batch::{pick_anchors, prepare, Prepared};
+use super::checkpoint::{load_state, save_state, state_dir, write_drafter, RunState};
+use super::data::Example;
+use super::eval::{acceptance, Acceptance};
+use super::net::{initial_params, Params};
+use super::objective::dflash;
+use super::schedule::{anchor_rng, LearningRate, Plan};
+use super::spec::DrafterSpec;
+use crate::error::EngineError;
+use crate::loading::LoadedModel;
+
+type Result<T> = std::result::Result<T, EngineError>;
+
+/// How long a run is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Length {
+    Steps(usize),
+    Epochs(usize),
+}
+
+/// A run's settings (the CLI's flags, checked).
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    pub out: PathBuf,
+    pub length: Length,
+    pub lr: f32,
+    /// Steps of linear warm-up, as a share of all steps.
+    pub warmup_share: f32,
+    pub batch_tokens: usize,
+    pub anchors: usize,
+    pub gamma: f32,
+    pub clip: f32,
+    pub weight_decay: f32,
+    pub seed: u64,
+    pub resume: bool,
+    pub eval_every: usize,
+    pub eval_tokens: usize,
+    /// Written with the checkpoint, for `--resume` to check.
+    pub settings: serde_json::Map<String, serde_json::Value>,
+}
+
+/// What a progress display hears.
+pub enum Progress<'a> {
+    Started {
+        total: usize,
+        from: usize,
+    },
+    Step {
+        step: usize,
+        total: usize,
+        loss: f32,
+        accuracy: f32,
+        tokens_per_second: f64,
+    },
+    Evaluated {
+        step: usize,
+        acceptance: &'a Acceptance,
+    },
+    Saved {
+        step: usize,
+    },
+}
+
+/// Trains the drafter `spec` for `loaded` on `examples`; evaluates on `eval_prompts`
+/// (token ids) every `eval_every` steps and at the end. `stop` is asked after every
+/// step whether to end early (an interrupt): the run then saves what `--resume`
+/// continues from. Returns the last acceptance.
+pub fn train(
+    loaded: &LoadedModel,
+    spec: &DrafterSpec,
+    examples: &[Example],
+    eval_prompts: &[Vec<u32>],
+    options: &TrainOptions,
+    progress: &mut dyn FnMut(Progress<'_>),
+    stop: &dyn Fn(usize) -> bool,
+) -> Result<Option<Acceptance>> {
+    let target = loaded.model.as_ref();
+    let dtype = target.info().dtype;
+    let lengths = examples.iter().map(|e| e.tokens.len()).collect();
+    let mut plan = Plan::new(lengths, options.batch_tokens, options.seed);
+    let total = match options.length {
+        Length::Steps(n) => n,
+        Length::Epochs(e) => plan.steps_in(e),
+    };
+    let mut settings = options.settings.clone();
+    settings.insert("total_steps".into(), json!(total));
+
+    let mut optimizer = AdamW::new(options.lr);
+    optimizer.weight_decay = Array::from_f32(options.weight_decay);
+    let (mut params, first_step) = if options.resume {
+        let saved = load_state(&options.out)?;
+        check_same_run(&saved.state.settings, &settings)?;
+        optimizer.state = saved.moments;
+        (saved.params, saved.state.step)
+    } else {
+        (initial_params(&spec.shape.tensors(), options.seed), 0)
+    };
+    let rate = LearningRate {
+        peak: options.lr,
+        warmup: ((total as f32 * options.warmup_share).ceil() as usize).max(1),
+        total,
+    };
+    let log_path = state_dir(&options.out).join("log.jsonl");
+    std::fs::create_dir_all(state_dir(&options.out))
+        .map_err(|e| EngineError::Invalid(format!("{}: {e}", options.out.display())))?;
+    let mut log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| EngineError::Invalid(format!("{}: {e}", log_path.display())))?;
+    let mut write_log = |line: serde_json::Value| -> Result<()> {
+        writeln!(log, "{line}")
+            .map_err(|e| EngineError::Invalid(format!("{}: {e}", log_path.display())))
+    };
+
+    progress(Progress::Started {
+        total,
+        from: first_step,
+    });
+    let mut last = None;
+    let started = Instant::now();
+    let mut tokens_done = 0usize;
+    for step in first_step..total {
+        let (batch, epoch) = plan.batch(step);
+        let mut rng = anchor_rng(options.seed, step);
+        let mut sequences = Vec::with_capacity(batch.len());
+        for &i in &batch {
+            let anchors = pick_anchors(&examples[i], options.anchors, &spec.layout, &mut rng);
+            if anchors.is_empty() {
+                continue;
+            }
+            sequences.push(prepare(
+                target,
+                &spec.taps,
+                &examples[i],
+                &anchors,
+                &spec.layout,
+                options.gamma,
+            )?);
+        }
+        if sequences.is_empty() {
+            continue;
+        }
+        let lr = rate.at(step);
+        let (loss, accuracy) = train_step(
+            loaded,
+            spec,
+            &sequences,
+            &mut params,
+            &mut optimizer,
+            lr,
+            options.clip,
+        )?;
+        tokens_done += batch
+            .iter()
+            .map(|&i| examples[i].tokens.len())
+            .sum::<usize>();
+        let tokens_per_second = tokens_done as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        write_log(
+            json!({"step": step + 1, "epoch": epoch, "loss": loss, "accuracy": accuracy,
+                         "lr": lr, "tokens_per_second": tokens_per_second}),
+        )?;
+        progress(Progress::Step {
+            step: step + 1,
+            total,
+            loss,
+            accuracy,
+            tokens_per_second,
+        });
+        let done = step + 1 == total;
+        let stopping = !done && stop(step + 1);
+        let evaluate = done || (options.eval_every > 0 && (step + 1) % options.eval_every == 0);
+        if evaluate || stopping {
+            write_drafter(&options.out, &spec.config, &params, dtype)?;
+            save_state(
+                &options.out,
+                &params,
+                &optimizer.state,
+                &RunState {
+                    step: step + 1,
+                    settings: settings.clone(),
+                },
+            )?;
+            progress(Progress::Saved { step: step + 1 });
+            if stopping {
+                return Ok(last);
+            }
+            if evaluate && !eval_prompts.is_empty() {
+                let measured = acceptance(
+                    loaded,
+                    &options.out,
+                    eval_prompts,
+                    options.eval_tokens,
+                    spec.layout.predicted() as usize,
+                )?;
+                write_log(json!({"step": step + 1, "eval": measured}))?;
+                progress(Progress::Evaluated {
+                    step: step + 1,
+                    acceptance: &measured,
+                });
+                last = Some(measured);
+            }
+        }
+    }
+    if first_step >= total {
+        write_drafter(&options.out, &spec.config, &params, dtype)?;
+    }
+    Ok(last)
+}
+
+/// One step: loss and gradients through autograd, clipped, and AdamW at rate `lr`.
+/// Returns the loss and the weighted share of predictions equal to their labels.
+fn train_step(
+    loaded: &LoadedModel,
+    spec: &DrafterSpec,
+    sequences: &[Prepared],
+    params: &mut Params,
+    optimizer: &mut AdamW,
+    lr: f32,
+    clip: f32,
+) -> Result<(f32, f32)> {
+    let target = loaded.model.as_ref();
+    let objective = |p: HashMap<Rc<str>, Array>,
+                     _: ()|
+     -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
+        let values = dflash(&p, &spec.shape, &spec.layout, target, sequences)
+            .map_err(|e| mlx_rs::error::Exception::custom(e.to_string()))?;
+        Ok(vec![values.loss, values.correct, values.weight])
+    };
+    let mut value_and_grad = keyed_value_and_grad(objective);
+    let (values, grads) = value_and_grad(params.clone(), ())?;
+    let grads = if clip > 0.0 {
+        let (clipped, _) = clip_grad_norm(&grads, clip)?;
+        clipped
+            .into_iter()
+            .map(|(k, g)| (k, g.into_owned()))
+            .collect::<HashMap<_, _>>()
+    } else {
+        grads
+    };
+    optimizer.lr = Array::from_f32(lr);
+    for (name, grad) in &grads {
+        if let Some(param) = params.get_mut(name) {
+            optimizer.update_single(name, grad, param)?;
+        }
+    }
+    let mut pending: Vec<&Array> = params.values().collect();
+    pending.extend(optimizer.state.values().flat_map(|(m, v)| [m, v]));
+    pending.extend(values.iter());
+    mlx_rs::transforms::eval(pending)?;
+    let scalar = |a: &Array| a.item_cast::<f32>();
+    let (loss, correct, weight) = (scalar(&values[0]), scalar(&values[1]), scalar(&values[2]));
+    if !loss.is_finite() {
+        return Err(EngineError::Invalid(format!(
+            "the loss became {loss}; lower --lr (or --clip) and start again"
+        )));
+    }
+    Ok((loss, correct / weight.max(1e-9)))
+}
+
+/// A resumed run must repeat the flags that decide what its steps compute.
+fn check_same_run(
+    saved: &serde_json::Map<String, serde_json::Value>,
+    now: &serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
+    for (key, value) in now {
+        let before = saved.get(key).unwrap_or(&serde_json::Value::Null);
+        if before != value {
+            return Err(EngineError::Invalid(format!(
+                "--resume: this run has {key} = {value} but the saved one had {before}; \
+                 resume with the same flags, or start anew without --resume"
+            )));
+        }
+    }
+    Ok(())
+}
