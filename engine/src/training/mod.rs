@@ -6,12 +6,14 @@
 //! ([`net`]). Autograd and AdamW are mlx-rs's, so training runs on every MLX backend.
 //!
 //! Laid out by step: [`data`] (lines to token sequences, answers written by the target),
-//! [`spec`] (the drafter's config from the target's), [`batch`] (anchors, the target's
-//! states), [`net`] (the drafter's layers as a function of its parameters),
-//! [`objective`] (the loss), [`schedule`] (what a step trains on and at which rate),
-//! [`checkpoint`] (the drafter directory and the state `--resume` continues from),
-//! [`eval`] (acceptance by real speculative decoding), [`trainer`] (the loop).
+//! [`answers`] (the target's answers, cached), [`spec`] (the drafter's config from the
+//! target's), [`batch`] (anchors, the target's states), [`net`] (the drafter's layers as a
+//! function of its parameters), [`objective`] (the loss), [`schedule`] (what a step trains
+//! on and at which rate), [`checkpoint`] (the drafter directory and the state `--resume`
+//! continues from), [`eval`] (acceptance by real speculative decoding), [`trainer`] (the
+//! loop).
 
+pub mod answers;
 pub mod batch;
 pub mod checkpoint;
 pub mod data;
