@@ -56,7 +56,7 @@ pub enum Command {
     /// Serve a target and its drafter over an OpenAI-compatible HTTP API (chat and text
     /// completions, streamed or not), speculative decoding on for every request.
     Serve(serve::ServeArgs),
-    /// Train a DFlash drafter for a target on the target's own answers to your prompts
+    /// Train a DFlash or DSpark drafter for a target on the target's own answers to your prompts
     /// (or on your text), on any MLX backend; the result loads with --drafter DIR.
     TrainDrafter(train_drafter::TrainDrafterArgs),
 }

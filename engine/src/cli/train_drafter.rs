@@ -1,4 +1,4 @@
-//! `dspec train-drafter`: trains a DFlash drafter for a target on the target's own
+//! `dspec train-drafter`: trains a DFlash or DSpark drafter for a target on the target's own
 //! answers, and writes it where `dspec generate --drafter DIR` loads it.
 
 use std::io::IsTerminal;
@@ -45,7 +45,7 @@ pub struct TrainDrafterArgs {
     /// Draft layers (1 to 64); default 1 for targets under 3B parameters, else 5.
     #[arg(long)]
     layers: Option<usize>,
-    /// Positions per block, the anchor included (2 to 64); default 16 for DFlash.
+    /// Positions per block, the anchor included (2 to 64); default 16 for DFlash, 7 for DSpark.
     #[arg(long)]
     block_size: Option<usize>,
     /// Target layers the drafter reads, comma-separated (default: five spread evenly, as
@@ -91,7 +91,7 @@ pub struct TrainDrafterArgs {
     #[arg(long, default_value_t = 2048)]
     max_seq_tokens: usize,
     /// γ of the loss's weighting of block position k by exp(−(k−1)/γ) (above 0; default
-    /// 7 for DFlash, as published).
+    /// 7 for DFlash, 4 for DSpark, as published).
     #[arg(long)]
     gamma: Option<f32>,
     /// Largest global gradient norm; larger gradients are scaled down (0 turns it off).
@@ -149,7 +149,14 @@ pub fn run(args: TrainDrafterArgs, plugins: &PluginArgs) -> Result<()> {
         &options,
         std::io::stderr().is_terminal(),
     )?;
-    let (_, common) = target_config(&loaded.dir)?;
+    let (config, common) = target_config(&loaded.dir)?;
+    if args.kind == DrafterKind::Dspark && config["final_logit_softcapping"].is_number() {
+        bail!(
+            "--kind dspark: the target caps its logits (final_logit_softcapping), and a DSpark \
+             checkpoint holds the target's head as a plain product; train --kind dflash, which \
+             drafts through the target's own head"
+        );
+    }
     let layers = within(
         "--layers",
         args.layers.unwrap_or_else(|| default_layers(&common)),

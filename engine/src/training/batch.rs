@@ -48,9 +48,11 @@ pub struct Prepared {
     pub previous: Array,
     /// `exp(−(k−1)/γ)` for the k-th prediction of a block, 0 past the sequence's end.
     pub weights: Array,
-    /// The target's distributions at those positions (`[N · predicted, vocab]` f32), for
-    /// examples whose labels are distributions.
-    pub soft: Option<Array>,
+    /// The target's distributions at those positions (`[N · predicted, vocab]` f32),
+    /// where asked for or where the labels are distributions.
+    pub distributions: Option<Array>,
+    /// The labels are `distributions`, not the tokens (text examples).
+    pub soft_labels: bool,
 }
 
 /// Up to `anchors` positions of `example` to start blocks at: each has context before
@@ -78,7 +80,8 @@ pub fn pick_anchors(
     picked
 }
 
-/// Runs the target over `example` and lays out the blocks at `anchors`.
+/// Runs the target over `example` and lays out the blocks at `anchors`; the target's
+/// distributions come along where `distributions` asks or the labels are them.
 pub fn prepare(
     target: &dyn TargetModel,
     taps: &[usize],
@@ -86,6 +89,7 @@ pub fn prepare(
     anchors: &[i32],
     layout: &BlockLayout,
     gamma: f32,
+    distributions: bool,
 ) -> Result<Prepared> {
     let t = example.tokens.len() as i32;
     let tokens = Array::from_slice(&example.tokens, &[1, t]);
@@ -123,7 +127,7 @@ pub fn prepare(
         .reshape(&[n, b, -1])?
         .as_dtype(Dtype::Float32)?;
     let count = labels.len() as i32;
-    let soft = if example.soft {
+    let probabilities = if example.soft || distributions {
         let logits = out.logits.reshape(&[t, -1])?;
         let picked = logits.take_axis(Array::from_slice(&rows, &[count]), 0)?;
         Some(softmax_axis(&picked.as_dtype(Dtype::Float32)?, -1, true)?)
@@ -139,10 +143,11 @@ pub fn prepare(
         labels: Array::from_slice(&labels, &[count]),
         previous: Array::from_slice(&previous, &[count]),
         weights: Array::from_slice(&weights, &[count]),
-        soft,
+        distributions: probabilities,
+        soft_labels: example.soft,
     };
     let mut evaluated = vec![&prepared.inputs.context, &prepared.inputs.blocks];
-    evaluated.extend(prepared.soft.as_ref());
+    evaluated.extend(prepared.distributions.as_ref());
     mlx_rs::transforms::eval(evaluated)?;
     Ok(prepared)
 }

@@ -19,17 +19,21 @@ fn io(path: &Path, e: impl std::fmt::Display) -> EngineError {
     EngineError::Invalid(format!("{}: {e}", path.display()))
 }
 
-/// Writes `config` and `params` (cast to `dtype`) as a drafter directory.
+/// Writes `config`, and `params` with the `frozen` tensors the drafter keeps from the
+/// target (cast to `dtype`), as a drafter directory.
 pub fn write_drafter(
     dir: &Path,
     config: &serde_json::Value,
     params: &Params,
+    frozen: &[(String, Array)],
     dtype: Dtype,
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let weights = params
         .iter()
-        .map(|(name, p)| Ok((name.to_string(), p.as_dtype(dtype)?)))
+        .map(|(name, p)| (name.to_string(), p))
+        .chain(frozen.iter().map(|(name, p)| (name.clone(), p)))
+        .map(|(name, p)| Ok((name, p.as_dtype(dtype)?)))
         .collect::<Result<HashMap<String, Array>>>()?;
     let path = dir.join("model.safetensors");
     Array::save_safetensors(weights.iter(), None, &path).map_err(|e| io(&path, e))?;

@@ -26,7 +26,8 @@ pub struct Acceptance {
 }
 
 /// τ of the drafter in `dir` over `prompts` (token ids), `max_tokens` each, drafting
-/// up to `max_draft` per round.
+/// up to `max_draft` per round, at full precision (as trained; a DSpark drafter is
+/// quantized by default where it runs elsewhere, `--drafter-bits` says).
 pub fn acceptance(
     loaded: &LoadedModel,
     dir: &Path,
@@ -41,7 +42,10 @@ pub fn acceptance(
         loaded,
         &registry,
         &LoadOptions::default(),
-        &DrafterOptions::default(),
+        &DrafterOptions {
+            bits: Some(0),
+            ..DrafterOptions::default()
+        },
     )?;
     let config = GenerationConfig {
         max_tokens,

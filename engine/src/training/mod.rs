@@ -1,4 +1,4 @@
-//! `dspec train-drafter`: a DFlash drafter trained for any target dspec loads.
+//! `dspec train-drafter`: a DFlash or DSpark drafter trained for any target dspec loads.
 //!
 //! The target is frozen: per step it reads each sequence once (its tap states, and its
 //! own distributions where the labels are text), and the drafter learns to draft the

@@ -44,6 +44,9 @@ pub struct NetShape {
     pub rope_theta: f32,
     /// Per layer: the sliding window, `None` for full attention.
     pub windows: Vec<Option<i32>>,
+    /// DSpark's Markov head rank and confidence head (0: neither, as in DFlash).
+    pub markov_rank: i32,
+    pub vocab: i32,
 }
 
 impl NetShape {
@@ -92,19 +95,38 @@ impl NetShape {
             ]);
         }
         all.push(("norm.weight".to_string(), vec![h]));
+        let r = self.markov_rank;
+        if r > 0 {
+            all.extend([
+                (MARKOV_W1.to_string(), vec![self.vocab, r]),
+                (MARKOV_W2.to_string(), vec![self.vocab, r]),
+                (CONFIDENCE_WEIGHT.to_string(), vec![1, h + r]),
+                (CONFIDENCE_BIAS.to_string(), vec![1]),
+            ]);
+        }
         all
     }
 }
 
-/// Fresh parameters: norms at one, each product uniform in ±1/√inputs (the usual
-/// fan-in scale, which keeps activations' size through the layers), from `seed` alone.
+/// DSpark's Markov head (`w2(w1[previous token])`, added to the logits) and confidence
+/// head (a sigmoid of the hidden state beside `w1[previous token]`).
+pub const MARKOV_W1: &str = "markov_head.markov_w1.weight";
+pub const MARKOV_W2: &str = "markov_head.markov_w2.weight";
+pub const CONFIDENCE_WEIGHT: &str = "confidence_head.proj.weight";
+pub const CONFIDENCE_BIAS: &str = "confidence_head.proj.bias";
+
+/// Fresh parameters: norms at one, biases at zero, each product uniform in ±1/√inputs
+/// (the usual fan-in scale, which keeps activations' size through the layers), and the
+/// Markov head's output at zero, so it starts as no correction; from `seed` alone.
 pub fn initial_params(tensors: &[(String, Vec<i32>)], seed: u64) -> Params {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     tensors
         .iter()
         .map(|(name, shape)| {
             let count: i32 = shape.iter().product();
-            let values: Vec<f32> = if shape.len() == 1 {
+            let values: Vec<f32> = if name.ends_with(".bias") || name == MARKOV_W2 {
+                vec![0.0; count as usize]
+            } else if shape.len() == 1 {
                 vec![1.0; count as usize]
             } else {
                 let bound = 1.0 / (shape[shape.len() - 1] as f32).sqrt();
@@ -127,7 +149,7 @@ pub struct BlockInputs {
     pub anchors: Vec<i32>,
 }
 
-fn param<'a>(params: &'a Params, name: &str) -> Result<&'a Array> {
+pub fn param<'a>(params: &'a Params, name: &str) -> Result<&'a Array> {
     params
         .get(name)
         .ok_or_else(|| EngineError::Invalid(format!("drafter parameter `{name}` is missing")))

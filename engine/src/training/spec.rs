@@ -124,37 +124,70 @@ pub fn drafter_spec(
             target_layers.saturating_sub(1)
         )));
     }
-    if kind == DrafterKind::Dspark {
-        return Err(EngineError::Invalid(
-            "--kind dspark: training DSpark drafters is not built yet; train a DFlash \
-             drafter with --kind dflash"
-                .into(),
-        ));
-    }
     let (theta, _) = target.rope();
-    let head_dim = target.head_dim();
     let shape = NetShape {
         hidden: target.hidden_size,
         intermediate: target.intermediate_size,
         layers,
         heads: target.num_attention_heads,
         kv_heads: target.kv_heads(),
-        head_dim,
+        head_dim: target.head_dim(),
         tap_width: taps.len() as i32 * target.hidden_size,
         eps: target.rms_norm_eps,
         rope_theta: theta,
         windows: vec![None; layers],
+        markov_rank: match kind {
+            DrafterKind::Dflash => 0,
+            DrafterKind::Dspark => MARKOV_RANK.min(target.vocab_size),
+        },
+        vocab: target.vocab_size,
     };
     // A token id the target's embedding has; which one does not matter (the drafter
     // learns what the mask positions mean), the vocabulary's last is rarely a real token.
     let mask_token = (target.vocab_size - 1) as u32;
-    let layout = BlockLayout {
-        block_size: block_size as i32,
-        first_predicted: 1,
-        ahead: 0,
-        mask_token,
+    let (layout, config) = match kind {
+        DrafterKind::Dflash => (
+            BlockLayout {
+                block_size: block_size as i32,
+                first_predicted: 1,
+                ahead: 0,
+                mask_token,
+            },
+            dflash_config(target, &shape, &taps, dtype, block_size, mask_token),
+        ),
+        DrafterKind::Dspark => (
+            BlockLayout {
+                block_size: block_size as i32,
+                first_predicted: 0,
+                ahead: 1,
+                mask_token,
+            },
+            dspark_config(target, &shape, &taps, block_size, mask_token),
+        ),
     };
-    let config = json!({
+    Ok(DrafterSpec {
+        kind,
+        shape,
+        layout,
+        taps,
+        config,
+    })
+}
+
+/// Rank of DSpark's Markov head: the published drafters' 256.
+pub const MARKOV_RANK: i32 = 256;
+
+/// z-lab's DFlash config.json.
+fn dflash_config(
+    target: &CommonConfig,
+    shape: &NetShape,
+    taps: &[usize],
+    dtype: &str,
+    block_size: usize,
+    mask_token: u32,
+) -> serde_json::Value {
+    let layers = shape.layers;
+    json!({
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "vocab_size": target.vocab_size,
@@ -163,10 +196,10 @@ pub fn drafter_spec(
         "num_hidden_layers": layers,
         "num_attention_heads": shape.heads,
         "num_key_value_heads": shape.kv_heads,
-        "head_dim": head_dim,
+        "head_dim": shape.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": shape.eps,
-        "rope_theta": theta,
+        "rope_theta": shape.rope_theta,
         "rope_scaling": null,
         "max_position_embeddings": target.max_position_embeddings,
         "attention_bias": false,
@@ -176,15 +209,44 @@ pub fn drafter_spec(
         "tie_word_embeddings": false,
         "torch_dtype": dtype,
         "block_size": block_size,
-        "num_target_layers": target_layers,
+        "num_target_layers": target.num_hidden_layers,
         "dflash_config": {"target_layer_ids": taps, "mask_token_id": mask_token},
-    });
-    Ok(DrafterSpec {
-        kind,
-        shape,
-        layout,
-        taps,
-        config,
+    })
+}
+
+/// The config.json of DeepSpec's qwen3-family DSpark drafters (seed 003's schema):
+/// its own embedding and head (the target's, copied), a Markov head of rank
+/// [`MARKOV_RANK`] and a confidence head that reads it.
+fn dspark_config(
+    target: &CommonConfig,
+    shape: &NetShape,
+    taps: &[usize],
+    block_size: usize,
+    mask_token: u32,
+) -> serde_json::Value {
+    json!({
+        "architectures": ["DSparkDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": target.vocab_size,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "rms_norm_eps": shape.eps,
+        "rope_theta": shape.rope_theta,
+        "attention_bias": false,
+        "max_position_embeddings": target.max_position_embeddings,
+        "block_size": block_size,
+        "mask_token_id": mask_token,
+        "target_layer_ids": taps,
+        "num_target_layers": target.num_hidden_layers,
+        "target_hidden_size": target.hidden_size,
+        "markov_rank": shape.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": true,
+        "confidence_head_with_markov": true,
     })
 }
 

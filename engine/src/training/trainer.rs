@@ -17,8 +17,9 @@ use super::checkpoint::{load_state, save_state, state_dir, write_drafter, RunSta
 use super::data::Example;
 use super::eval::{acceptance, Acceptance};
 use super::net::{initial_params, Params};
-use super::objective::dflash;
+use super::objective::{dflash, dspark};
 use super::schedule::{anchor_rng, LearningRate, Plan};
+use super::spec::DrafterKind;
 use super::spec::DrafterSpec;
 use crate::error::EngineError;
 use crate::loading::LoadedModel;
@@ -96,6 +97,7 @@ pub fn train(
         Length::Steps(n) => n,
         Length::Epochs(e) => plan.steps_in(e),
     };
+    let frozen = frozen_tensors(target, spec)?;
     let mut settings = options.settings.clone();
     settings.insert("total_steps".into(), json!(total));
 
@@ -150,6 +152,7 @@ pub fn train(
                 &anchors,
                 &spec.layout,
                 options.gamma,
+                spec.kind == DrafterKind::Dspark,
             )?);
         }
         if sequences.is_empty() {
@@ -185,7 +188,7 @@ pub fn train(
         let stopping = !done && stop(step + 1);
         let evaluate = done || (options.eval_every > 0 && (step + 1) % options.eval_every == 0);
         if evaluate || stopping {
-            write_drafter(&options.out, &spec.config, &params, dtype)?;
+            write_drafter(&options.out, &spec.config, &params, &frozen, dtype)?;
             save_state(
                 &options.out,
                 &params,
@@ -217,7 +220,7 @@ pub fn train(
         }
     }
     if first_step >= total {
-        write_drafter(&options.out, &spec.config, &params, dtype)?;
+        write_drafter(&options.out, &spec.config, &params, &frozen, dtype)?;
     }
     Ok(last)
 }
@@ -237,7 +240,11 @@ fn train_step(
     let objective = |p: HashMap<Rc<str>, Array>,
                      _: ()|
      -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
-        let values = dflash(&p, &spec.shape, &spec.layout, target, sequences)
+        let loss = match spec.kind {
+            DrafterKind::Dflash => dflash,
+            DrafterKind::Dspark => dspark,
+        };
+        let values = loss(&p, &spec.shape, &spec.layout, target, sequences)
             .map_err(|e| mlx_rs::error::Exception::custom(e.to_string()))?;
         Ok(vec![values.loss, values.correct, values.weight])
     };
@@ -270,6 +277,31 @@ fn train_step(
         )));
     }
     Ok((loss, correct / weight.max(1e-9)))
+}
+
+/// What a DSpark checkpoint holds of the target's, frozen: its embedding table and its
+/// head (`[vocab, hidden]` each), read through the target's own `embed` and `lm_head`
+/// so that any family and quantization gives them as the target computes them.
+pub fn frozen_tensors(
+    target: &dyn dspec_plugin_api::TargetModel,
+    spec: &DrafterSpec,
+) -> Result<Vec<(String, Array)>> {
+    if spec.kind != DrafterKind::Dspark {
+        return Ok(Vec::new());
+    }
+    let (vocab, hidden) = (spec.shape.vocab, spec.shape.hidden);
+    let ids: Vec<u32> = (0..vocab as u32).collect();
+    let table = target
+        .embed(&Array::from_slice(&ids, &[1, vocab]))?
+        .reshape(&[vocab, hidden])?;
+    let dtype = target.info().dtype;
+    let identity = mlx_rs::ops::eye::<f32>(hidden, None, None)?.as_dtype(dtype)?;
+    let head = target.lm_head(&identity)?.t().as_dtype(dtype)?;
+    mlx_rs::transforms::eval([&table, &head])?;
+    Ok(vec![
+        ("embed_tokens.weight".into(), table),
+        ("lm_head.weight".into(), head),
+    ])
 }
 
 /// A resumed run must repeat the flags that decide what its steps compute.
