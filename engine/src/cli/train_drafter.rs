@@ -112,7 +112,24 @@ fn within<T: PartialOrd + std::fmt::Display + Copy>(
     Ok(value)
 }
 
+/// MLX settings for a training process, unless the user set them. Every step builds
+/// graphs of new shapes, and MLX's CUDA backend caches a CUDA graph per kernel sequence and
+/// a cuDNN attention graph per shape, and stops the process once a cache has missed twice
+/// its size: launching a step's large kernels directly costs nothing worth a graph, and the
+/// target's attention meets a few dozen shapes.
+fn mlx_settings_for_training() {
+    for (name, value) in [
+        ("MLX_USE_CUDA_GRAPHS", "0"),
+        ("MLX_CUDA_SDPA_CACHE_SIZE", "4096"),
+    ] {
+        if std::env::var_os(name).is_none() {
+            std::env::set_var(name, value);
+        }
+    }
+}
+
 pub fn run(args: TrainDrafterArgs, plugins: &PluginArgs) -> Result<()> {
+    mlx_settings_for_training();
     let length = match (args.steps, args.epochs) {
         (Some(s), _) => Length::Steps(within("--steps", s, 1, 10_000_000)?),
         (None, Some(e)) => Length::Epochs(within("--epochs", e, 1, 1_000)?),

@@ -16,6 +16,9 @@ use crate::error::EngineError;
 
 type Result<T> = std::result::Result<T, EngineError>;
 
+/// Sequence lengths the target reads are rounded up to a multiple of this.
+const LENGTH_STEP: i32 = 128;
+
 /// Which block positions a drafter predicts from, and which token each one predicts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockLayout {
@@ -92,13 +95,19 @@ pub fn prepare(
     distributions: bool,
 ) -> Result<Prepared> {
     let t = example.tokens.len() as i32;
-    let tokens = Array::from_slice(&example.tokens, &[1, t]);
+    // The target reads the sequence padded to a multiple of `LENGTH_STEP` (the last
+    // token repeated: causal attention keeps the real positions as they were), so its
+    // attention meets few shapes: MLX's CUDA backend builds a cuDNN graph per shape.
+    let padded = (t + LENGTH_STEP - 1) / LENGTH_STEP * LENGTH_STEP;
+    let mut ids = example.tokens.clone();
+    ids.resize(padded as usize, example.tokens[t as usize - 1]);
+    let tokens = Array::from_slice(&ids, &[1, padded]);
     let mut cache = target.new_cache();
     let out = target.forward(&tokens, &mut cache, taps)?;
     let hidden = out.hidden.ok_or_else(|| {
         EngineError::Invalid("the target returned no hidden states at the tap layers".into())
     })?;
-    let context = hidden.reshape(&[t, -1])?.as_dtype(Dtype::Float32)?;
+    let context = hidden.try_index((0, ..t, ..))?.as_dtype(Dtype::Float32)?;
 
     let b = layout.block_size;
     let mut block_ids = Vec::with_capacity(anchors.len() * b as usize);
@@ -128,7 +137,7 @@ pub fn prepare(
         .as_dtype(Dtype::Float32)?;
     let count = labels.len() as i32;
     let probabilities = if example.soft || distributions {
-        let logits = out.logits.reshape(&[t, -1])?;
+        let logits = out.logits.try_index((0, ..t, ..))?;
         let picked = logits.take_axis(Array::from_slice(&rows, &[count]), 0)?;
         Some(softmax_axis(&picked.as_dtype(Dtype::Float32)?, -1, true)?)
     } else {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::Instant;
 
-use mlx_rs::optimizers::{clip_grad_norm, AdamW, Optimizer};
+use mlx_rs::optimizers::{AdamW, Optimizer};
 use mlx_rs::transforms::keyed_value_and_grad;
 use mlx_rs::Array;
 use serde_json::json;
@@ -109,7 +109,9 @@ pub fn train(
         optimizer.state = saved.moments;
         (saved.params, saved.state.step)
     } else {
-        (initial_params(&spec.shape.tensors(), options.seed), 0)
+        let mut params = initial_params(&spec.shape.tensors(), options.seed);
+        fit_fc_to_taps(&mut params, target, spec, examples)?;
+        (params, 0)
     };
     let rate = LearningRate {
         peak: options.lr,
@@ -119,9 +121,12 @@ pub fn train(
     let log_path = state_dir(&options.out).join("log.jsonl");
     std::fs::create_dir_all(state_dir(&options.out))
         .map_err(|e| EngineError::Invalid(format!("{}: {e}", options.out.display())))?;
+    // A resumed run adds to its log; a new one starts it afresh.
     let mut log = std::fs::OpenOptions::new()
         .create(true)
-        .append(true)
+        .append(options.resume)
+        .write(true)
+        .truncate(!options.resume)
         .open(&log_path)
         .map_err(|e| EngineError::Invalid(format!("{}: {e}", log_path.display())))?;
     let mut write_log = |line: serde_json::Value| -> Result<()> {
@@ -251,11 +256,7 @@ fn train_step(
     let mut value_and_grad = keyed_value_and_grad(objective);
     let (values, grads) = value_and_grad(params.clone(), ())?;
     let grads = if clip > 0.0 {
-        let (clipped, _) = clip_grad_norm(&grads, clip)?;
-        clipped
-            .into_iter()
-            .map(|(k, g)| (k, g.into_owned()))
-            .collect::<HashMap<_, _>>()
+        clipped(grads, clip)?
     } else {
         grads
     };
@@ -269,14 +270,59 @@ fn train_step(
     pending.extend(optimizer.state.values().flat_map(|(m, v)| [m, v]));
     pending.extend(values.iter());
     mlx_rs::transforms::eval(pending)?;
-    let scalar = |a: &Array| a.item_cast::<f32>();
-    let (loss, correct, weight) = (scalar(&values[0]), scalar(&values[1]), scalar(&values[2]));
+    let scalar = |a: &Array| {
+        a.try_item_cast::<f32>()
+            .map_err(|e| EngineError::Mlx(e.to_string()))
+    };
+    let (loss, correct, weight) = (
+        scalar(&values[0])?,
+        scalar(&values[1])?,
+        scalar(&values[2])?,
+    );
     if !loss.is_finite() {
         return Err(EngineError::Invalid(format!(
             "the loss became {loss}; lower --lr (or --clip) and start again"
         )));
     }
     Ok((loss, correct / weight.max(1e-9)))
+}
+
+/// Scales each input column of the fresh `fc` by the inverse of its channel's RMS in the
+/// target's tap states (measured on the first example), so that every channel starts on
+/// the same footing. Real targets' residual streams carry a few channels thousands of
+/// times larger than the rest; a fan-in initialisation would let those drown out every
+/// other channel of the context, which the drafter would then have to unlearn.
+fn fit_fc_to_taps(
+    params: &mut Params,
+    target: &dyn dspec_plugin_api::TargetModel,
+    spec: &DrafterSpec,
+    examples: &[Example],
+) -> Result<()> {
+    let Some(first) = examples.first() else {
+        return Ok(());
+    };
+    let t = first.tokens.len() as i32;
+    let mut cache = target.new_cache();
+    let out = target.forward(
+        &Array::from_slice(&first.tokens, &[1, t]),
+        &mut cache,
+        &spec.taps,
+    )?;
+    let Some(hidden) = out.hidden else {
+        return Ok(());
+    };
+    let taps = hidden.reshape(&[t, -1])?.as_dtype(mlx_rs::Dtype::Float32)?;
+    let rms = taps
+        .square()?
+        .mean_axis(0, false)?
+        .sqrt()?
+        .add(Array::from_f32(1e-6))?;
+    let name: Rc<str> = Rc::from("fc.weight");
+    if let Some(fc) = params.get_mut(&name) {
+        *fc = fc.divide(rms.reshape(&[1, -1])?)?;
+        fc.eval()?;
+    }
+    Ok(())
 }
 
 /// What a DSpark checkpoint holds of the target's, frozen: its embedding table and its
@@ -302,6 +348,24 @@ pub fn frozen_tensors(
         ("embed_tokens.weight".into(), table),
         ("lm_head.weight".into(), head),
     ])
+}
+
+/// `grads` scaled by `clip / ‖grads‖` where their global norm is above `clip`; computed
+/// on the device, so the step reads nothing back before the update.
+fn clipped(grads: HashMap<Rc<str>, Array>, clip: f32) -> Result<HashMap<Rc<str>, Array>> {
+    let mut squares = Array::from_f32(0.0);
+    for g in grads.values() {
+        squares = squares.add(g.square()?.sum(None)?)?;
+    }
+    let norm = squares.sqrt()?;
+    let scale = mlx_rs::ops::minimum(
+        Array::from_f32(1.0),
+        Array::from_f32(clip).divide(norm.add(Array::from_f32(1e-6))?)?,
+    )?;
+    grads
+        .into_iter()
+        .map(|(k, g)| Ok((k, g.multiply(&scale)?)))
+        .collect()
 }
 
 /// A resumed run must repeat the flags that decide what its steps compute.
