@@ -431,3 +431,100 @@ fn bad_flags_and_bad_data_get_clear_errors() {
         "{message}"
     );
 }
+
+/// Ctrl-C while training ends the run after its current step, saved, with a message
+/// saying how to go on; `--resume` then finishes it, every step logged once.
+#[test]
+fn an_interrupted_run_is_saved_and_resumes_where_it_stopped() {
+    let target = tempfile::tempdir().unwrap();
+    dspec_engine::tiny_model::write_tiny_model(target.path(), "{}", 3).unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("text.jsonl");
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let lines: String = (0..16)
+        .map(|_| {
+            let text: String = (0..40)
+                .map(|_| rng.random_range(b'a'..=b'z') as char)
+                .collect();
+            format!("{}\n", serde_json::json!({ "text": text }))
+        })
+        .collect();
+    std::fs::write(&data, lines).unwrap();
+    let out = work.path().join("drafter");
+    let steps = 200;
+    let args = |resume: bool| {
+        let mut a = vec![
+            "train-drafter".to_string(),
+            "--target".into(),
+            path(target.path()).into(),
+            "--kind".into(),
+            "dflash".into(),
+            "--data".into(),
+            path(&data).into(),
+            "--out".into(),
+            path(&out).into(),
+            "--steps".into(),
+            steps.to_string(),
+            "--layers".into(),
+            "1".into(),
+            "--block-size".into(),
+            "4".into(),
+            "--batch-tokens".into(),
+            "64".into(),
+            "--anchors".into(),
+            "4".into(),
+        ];
+        if resume {
+            a.push("--resume".into());
+        }
+        a
+    };
+    let log = out.join("training/log.jsonl");
+    let logged_steps = || -> Vec<u64> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+            .collect()
+    };
+    let child = Command::new(env!("CARGO_BIN_EXE_dspec"))
+        .args(args(false))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while logged_steps().len() < 3 {
+        assert!(started.elapsed().as_secs() < 120, "no steps logged");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let stopped = child.wait_with_output().unwrap();
+    let message = String::from_utf8_lossy(&stopped.stderr);
+    assert!(
+        !stopped.status.success(),
+        "the run was not interrupted: {message}"
+    );
+    assert!(
+        message.contains("interrupted after step") && message.contains("--resume"),
+        "{message}"
+    );
+    let done = logged_steps();
+    assert!(
+        done.len() < steps,
+        "{} steps ran before the interrupt",
+        done.len()
+    );
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("training/state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"].as_u64(), done.last().copied());
+
+    let resumed = dspec(&args(true).iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    assert_eq!(logged_steps(), (1..=steps as u64).collect::<Vec<_>>());
+}
