@@ -351,6 +351,12 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     let halfway = saved_params(parts.path());
     // Read now: loaded arrays are read from the file lazily, and the file is rewritten.
     mlx_rs::transforms::eval(halfway.values()).unwrap();
+    // A step logged after the last save (a run killed outright) is dropped on resume:
+    // it runs again.
+    let log_path = parts.path().join("training/log.jsonl");
+    let mut log = std::fs::read_to_string(&log_path).unwrap();
+    log.push_str("{\"step\": 7, \"loss\": 1.0}\n");
+    std::fs::write(&log_path, log).unwrap();
     train_into(&loaded, &examples, parts.path(), 12, None, true);
     // The resumed run took steps 7 to 12 only: six and six lines in the log.
     let log = std::fs::read_to_string(parts.path().join("training/log.jsonl")).unwrap();

@@ -121,12 +121,16 @@ pub fn train(
     let log_path = state_dir(&options.out).join("log.jsonl");
     std::fs::create_dir_all(state_dir(&options.out))
         .map_err(|e| EngineError::Invalid(format!("{}: {e}", options.out.display())))?;
-    // A resumed run adds to its log; a new one starts it afresh.
+    // A resumed run keeps its log up to the saved step (steps after it run again); a
+    // new one starts it afresh.
+    let kept = match options.resume {
+        true => logged_up_to(&log_path, first_step),
+        false => String::new(),
+    };
+    std::fs::write(&log_path, kept)
+        .map_err(|e| EngineError::Invalid(format!("{}: {e}", log_path.display())))?;
     let mut log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(options.resume)
-        .write(true)
-        .truncate(!options.resume)
+        .append(true)
         .open(&log_path)
         .map_err(|e| EngineError::Invalid(format!("{}: {e}", log_path.display())))?;
     let mut write_log = |line: serde_json::Value| -> Result<()> {
@@ -365,6 +369,20 @@ fn clipped(grads: HashMap<Rc<str>, Array>, clip: f32) -> Result<HashMap<Rc<str>,
     grads
         .into_iter()
         .map(|(k, g)| Ok((k, g.multiply(&scale)?)))
+        .collect()
+}
+
+/// The lines of the log at `path` that belong to steps up to `step`.
+fn logged_up_to(path: &std::path::Path, step: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s as usize <= step)
+        })
+        .map(|line| format!("{line}\n"))
         .collect()
 }
 
