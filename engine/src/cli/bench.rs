@@ -12,9 +12,9 @@ use dspec_engine::decoding::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
+use dspec_engine::text::prompt::PromptEncoder;
 
 use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs};
-use super::prompt::encode_prompt;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -124,10 +124,11 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
         &drafter_options,
     )
     .with_context(|| format!("loading --drafter {}", args.drafter))?;
+    let encoder = PromptEncoder::new(&loaded.tokenizer, !args.no_chat_template, None)?;
     let ids = prompts
         .iter()
-        .map(|p| encode_prompt(&loaded.tokenizer, p, None, !args.no_chat_template, None))
-        .collect::<Result<Vec<_>>>()?;
+        .map(|p| encoder.encode_user(p, None))
+        .collect::<Result<Vec<_>, _>>()?;
     let settings = dspec_engine::bench::BenchSettings {
         max_tokens: args.max_tokens,
         max_draft: args.tuning.max_draft.max,

@@ -13,9 +13,9 @@ use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
 use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
+use dspec_engine::text::prompt::encode_prompt;
 
 use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs};
-use super::prompt::encode_prompt;
 
 #[derive(Args)]
 pub struct GenerateArgs {

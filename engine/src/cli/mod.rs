@@ -9,7 +9,6 @@ mod args;
 mod bench;
 mod convert;
 mod generate;
-mod prompt;
 mod score;
 mod serve;
 mod train_drafter;

@@ -578,8 +578,9 @@ mod tests {
         }
     }
 
-    fn write_data(dir: &Path, lines: &[&str]) -> PathBuf {
+    fn write_data(dir: &Path, lines: &[impl AsRef<str>]) -> PathBuf {
         let path = dir.join("data.jsonl");
+        let lines: Vec<&str> = lines.iter().map(AsRef::as_ref).collect();
         fs::write(&path, lines.join("\n")).expect("write data");
         path
     }
@@ -656,7 +657,6 @@ mod tests {
         let (_model, loaded) = tiny_target(3);
         let dir = tempfile::tempdir().expect("temp dir");
         let lines = prompt_lines();
-        let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
         let data = write_data(dir.path(), &lines);
         let cache = dir.path().join("out").join("answers.jsonl");
         let options = greedy(12);
@@ -707,7 +707,6 @@ mod tests {
         let (_model, loaded) = tiny_target(3);
         let dir = tempfile::tempdir().expect("temp dir");
         let lines = prompt_lines();
-        let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
         let data = write_data(dir.path(), &lines);
         let cache = dir.path().join("answers.jsonl");
 
@@ -738,7 +737,7 @@ mod tests {
         }
 
         // A repeated prompt is a second sample when sampling, the same answer when greedy.
-        let twice = write_data(dir.path(), &[lines[0], lines[0]]);
+        let twice = write_data(dir.path(), &[&lines[0], &lines[0]]);
         let (_, summary, _) = load(&twice, &loaded, &sampled(0.8, 5), &cache);
         assert_eq!((summary.generated, summary.reused), (2, 0));
         let (examples, summary, _) = load(&twice, &loaded, &greedy(12), &cache);
@@ -854,7 +853,6 @@ mod tests {
             serde_json::json!({ "text": "ab" }).to_string(),
             serde_json::json!({ "text": long }).to_string(),
         ];
-        let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
         let data = write_data(dir.path(), &lines);
         let cache = dir.path().join("answers.jsonl");
         let options = DataOptions {
@@ -980,7 +978,6 @@ mod tests {
         let (_model, loaded) = tiny_target(3);
         let dir = tempfile::tempdir().expect("temp dir");
         let lines = prompt_lines();
-        let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
         let data = write_data(dir.path(), &lines);
         let cache = dir.path().join("answers.jsonl");
         let (examples, _, _) = load(&data, &loaded, &greedy(8), &cache);

@@ -7,7 +7,7 @@
 //! each anchor's block attends to the context positions before its anchor and to itself,
 //! with no causal mask inside the block — what inference computes for that anchor. The
 //! layers are Qwen3's (q/k norms, RoPE on both, grouped-query attention, SwiGLU), in f32.
-//! `tests::training_blocks_are_the_inference_drafters_blocks` holds the two paths equal.
+//! `engine/tests/train_drafter.rs` holds the two paths equal, anchor by anchor.
 
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -164,36 +164,49 @@ fn norm(params: &Params, name: &str, x: &Array, eps: f32) -> Result<Array> {
     Ok(rms_norm(x, Some(param(params, name)?), eps)?)
 }
 
-/// Rotates `x` (`[L, heads, D]`) by each row's position (`positions`, `[L]`): pairs
-/// `(i, i + D/2)` by `position · θ^(−2i/D)`, as non-interleaved RoPE does.
-fn rotate(x: &Array, positions: &[i32], theta: f32) -> Result<Array> {
-    let d = x.shape()[2];
-    let half = d / 2;
-    let inv: Vec<f64> = (0..half)
-        .map(|i| (theta as f64).powf(-2.0 * i as f64 / d as f64))
-        .collect();
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for &p in positions {
-        for &f in &inv {
-            let angle = p as f64 * f;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
+/// Non-interleaved RoPE at given positions: pairs `(i, i + D/2)` of each head rotated by
+/// `position · θ^(−2i/D)`. The angles' tables are made once per forward and shared by
+/// every layer.
+struct Rotation {
+    /// `[L, 1, D/2]` each.
+    cos: Array,
+    sin: Array,
+}
+
+impl Rotation {
+    fn new(positions: &[i32], theta: f32, head_dim: i32) -> Self {
+        let half = head_dim / 2;
+        let inv: Vec<f64> = (0..half)
+            .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
+            .collect();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for &p in positions {
+            for &f in &inv {
+                let angle = p as f64 * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let shape = [positions.len() as i32, 1, half];
+        Self {
+            cos: Array::from_slice(&cos, &shape),
+            sin: Array::from_slice(&sin, &shape),
         }
     }
-    let shape = [positions.len() as i32, 1, half];
-    let (cos, sin) = (
-        Array::from_slice(&cos, &shape),
-        Array::from_slice(&sin, &shape),
-    );
-    let x1 = x.try_index((.., .., ..half))?;
-    let x2 = x.try_index((.., .., half..))?;
-    Ok(concatenate(
-        &[
-            x1.multiply(&cos)?.subtract(x2.multiply(&sin)?)?,
-            x2.multiply(&cos)?.add(x1.multiply(&sin)?)?,
-        ],
-        -1,
-    )?)
+
+    /// `x`: `[L, heads, D]`, one row per position.
+    fn apply(&self, x: &Array) -> Result<Array> {
+        let half = x.shape()[2] / 2;
+        let x1 = x.try_index((.., .., ..half))?;
+        let x2 = x.try_index((.., .., half..))?;
+        Ok(concatenate(
+            &[
+                x1.multiply(&self.cos)?.subtract(x2.multiply(&self.sin)?)?,
+                x2.multiply(&self.cos)?.add(x1.multiply(&self.sin)?)?,
+            ],
+            -1,
+        )?)
+    }
 }
 
 /// The additive mask of the blocks' queries (`[N·B]`) over `[context (T) ; blocks (N·B)]`:
@@ -268,6 +281,8 @@ pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> 
         .iter()
         .flat_map(|&a| (0..block).map(move |j| a + j))
         .collect();
+    let context_rotation = Rotation::new(&context_positions, shape.rope_theta, d);
+    let block_rotation = Rotation::new(&block_positions, shape.rope_theta, d);
     let mut masks: Vec<(Option<i32>, Array)> = Vec::new();
     let mut x = inputs.blocks.reshape(&[n * block, shape.hidden])?;
     for (i, &window) in shape.windows.iter().enumerate() {
@@ -281,7 +296,7 @@ pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> 
             }
         };
         let h = norm(params, &p("input_layernorm.weight"), &x, eps)?;
-        let keys_of = |source: &Array, positions: &[i32]| -> Result<(Array, Array)> {
+        let keys_of = |source: &Array, rotation: &Rotation| -> Result<(Array, Array)> {
             let k = heads(
                 &linear(params, &p("self_attn.k_proj.weight"), source)?,
                 shape.kv_heads,
@@ -293,20 +308,16 @@ pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> 
                 shape.kv_heads,
                 d,
             )?;
-            Ok((rotate(&k, positions, shape.rope_theta)?, v))
+            Ok((rotation.apply(&k)?, v))
         };
-        let (context_k, context_v) = keys_of(&fused, &context_positions)?;
-        let (block_k, block_v) = keys_of(&h, &block_positions)?;
+        let (context_k, context_v) = keys_of(&fused, &context_rotation)?;
+        let (block_k, block_v) = keys_of(&h, &block_rotation)?;
         let q = heads(
             &linear(params, &p("self_attn.q_proj.weight"), &h)?,
             shape.heads,
             d,
         )?;
-        let q = rotate(
-            &norm(params, &p("self_attn.q_norm.weight"), &q, eps)?,
-            &block_positions,
-            shape.rope_theta,
-        )?;
+        let q = block_rotation.apply(&norm(params, &p("self_attn.q_norm.weight"), &q, eps)?)?;
         let k = concatenate(&[context_k, block_k], 0)?;
         let v = concatenate(&[context_v, block_v], 0)?;
         let attended = attend(&q, &k, &v, &mask, shape)?;

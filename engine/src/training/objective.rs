@@ -28,25 +28,19 @@ pub struct StepValues {
     pub weight: Array,
 }
 
-/// DFlash: cross-entropy of the target's head over the drafter's block rows, against
-/// the label token (or the target's distribution, for text).
-pub fn dflash(
-    params: &Params,
-    shape: &NetShape,
-    layout: &BlockLayout,
-    target: &dyn TargetModel,
+/// The weighted mean over `sequences` of a per-row loss, with the weighted count of rows
+/// whose argmax is the label: `rows_of` gives each sequence's per-row loss and the
+/// logits it drafted from.
+fn weighted_mean(
     sequences: &[Prepared],
+    mut rows_of: impl FnMut(&Prepared) -> Result<(Array, Array)>,
 ) -> Result<StepValues> {
     let mut total = Array::from_f32(0.0);
     let mut correct = Array::from_f32(0.0);
     let mut weight = Array::from_f32(0.0);
     for seq in sequences {
-        let rows = predicted_rows(&block_hidden(params, shape, &seq.inputs)?, layout)?;
-        let logits = target
-            .lm_head(&rows.as_dtype(target.info().dtype)?)?
-            .as_dtype(Dtype::Float32)?;
-        let ce = cross_entropy(&logits, seq)?;
-        total = total.add(ce.multiply(&seq.weights)?.sum(None)?)?;
+        let (loss, logits) = rows_of(seq)?;
+        total = total.add(loss.multiply(&seq.weights)?.sum(None)?)?;
         weight = weight.add(seq.weights.sum(None)?)?;
         correct = correct.add(hits(&logits, seq)?)?;
     }
@@ -57,25 +51,47 @@ pub fn dflash(
     })
 }
 
+/// The target's head over the drafter's rows, in f32 (the rows meet the head in the
+/// target's dtype; autograd carries the gradient back through the cast).
+fn target_head(target: &dyn TargetModel, rows: &Array) -> Result<Array> {
+    Ok(target
+        .lm_head(&rows.as_dtype(target.info().dtype)?)?
+        .as_dtype(Dtype::Float32)?)
+}
+
+/// DFlash: cross-entropy of the target's head over the drafter's block rows, against
+/// the label token (or the target's distribution, for text).
+pub fn dflash(
+    params: &Params,
+    shape: &NetShape,
+    layout: &BlockLayout,
+    target: &dyn TargetModel,
+    sequences: &[Prepared],
+) -> Result<StepValues> {
+    weighted_mean(sequences, |seq| {
+        let rows = predicted_rows(&block_hidden(params, shape, &seq.inputs)?, layout)?;
+        let logits = target_head(target, &rows)?;
+        Ok((cross_entropy(&logits, seq)?, logits))
+    })
+}
+
 /// DeepSpec's weights of the cross-entropy and total-variation terms.
 const DSPARK_CE: f32 = 0.1;
 const DSPARK_TV: f32 = 0.9;
 
 /// The logits DSpark drafts from at the predicted block rows (`[N · B, H]`, normed):
 /// the target's head plus the Markov head's correction from each row's previous token
-/// (the true one: training is teacher-forced).
+/// (the true one: training is teacher-forced). Also returns the Markov embeddings of
+/// the previous tokens, which the confidence head reads.
 pub fn dspark_logits(
     params: &Params,
     rows: &Array,
     previous: &Array,
     target: &dyn TargetModel,
 ) -> Result<(Array, Array)> {
-    let base = target
-        .lm_head(&rows.as_dtype(target.info().dtype)?)?
-        .as_dtype(Dtype::Float32)?;
     let markov = param(params, MARKOV_W1)?.take_axis(previous, 0)?;
     let correction = matmul(&markov, param(params, MARKOV_W2)?.t())?;
-    Ok((base.add(correction)?, markov))
+    Ok((target_head(target, rows)?.add(correction)?, markov))
 }
 
 /// DSpark (paper section 3.3): 0.1 × cross-entropy + 0.9 × total variation between the
@@ -88,10 +104,7 @@ pub fn dspark(
     target: &dyn TargetModel,
     sequences: &[Prepared],
 ) -> Result<StepValues> {
-    let mut total = Array::from_f32(0.0);
-    let mut correct = Array::from_f32(0.0);
-    let mut weight = Array::from_f32(0.0);
-    for seq in sequences {
+    weighted_mean(sequences, |seq| {
         let p = seq.distributions.as_ref().ok_or_else(|| {
             EngineError::Invalid("DSpark's loss needs the target's distributions".into())
         })?;
@@ -117,14 +130,7 @@ pub fn dspark(
             .multiply(Array::from_f32(DSPARK_CE))?
             .add(tv.multiply(Array::from_f32(DSPARK_TV))?)?
             .add(bce)?;
-        total = total.add(per_row.multiply(&seq.weights)?.sum(None)?)?;
-        weight = weight.add(seq.weights.sum(None)?)?;
-        correct = correct.add(hits(&logits, seq)?)?;
-    }
-    Ok(StepValues {
-        loss: total.divide(maximum(&weight, Array::from_f32(1e-9))?)?,
-        correct: stop_gradient(&correct)?,
-        weight,
+        Ok((per_row, logits))
     })
 }
 
