@@ -44,12 +44,24 @@ impl Server {
         drafter: &str,
         extra: &[&str],
     ) -> Server {
+        Self::start_with_env(model, dir, drafter, extra, &[])
+    }
+
+    /// [`Server::start_model`] with `env` set for the server's process alone.
+    fn start_with_env(
+        model: &str,
+        dir: Option<tempfile::TempDir>,
+        drafter: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Server {
         let model = model.to_string();
         let drafter = drafter.replace("{dir}", &model);
         let mut child = Command::new(env!("CARGO_BIN_EXE_dspec"))
             .args(["serve", "--target", &model, "--drafter", &drafter])
             .args(["--port", "0", "--served-model-name", "tiny"])
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -1072,4 +1084,246 @@ fn qwen_calls_a_tool_through_its_own_template() {
     assert_eq!(content, "");
     assert_eq!(calls, paris);
     assert_eq!(finish, "tool_calls");
+}
+
+/// Sends raw bytes on a fresh connection and returns it, reading with a timeout.
+fn raw_connection(server: &Server, bytes: &[u8]) -> TcpStream {
+    let mut conn = TcpStream::connect(&server.addr).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("read timeout");
+    conn.write_all(bytes).expect("send");
+    conn
+}
+
+/// Everything the server sends on `conn` until it closes it.
+fn read_to_close(mut conn: TcpStream) -> String {
+    let mut text = String::new();
+    let _ = conn.read_to_string(&mut text);
+    text
+}
+
+/// `--api-key`: every route but /health needs `Authorization: Bearer KEY`, answered 401
+/// in OpenAI's error shape otherwise; the key may come from DSPEC_API_KEY, and the
+/// official `openai` client's `api_key` is that header.
+#[test]
+fn an_api_key_guards_every_route_but_health() {
+    let server = Server::start("ngram", &["--api-key", "s3cret-key"]);
+    let body = chat_body(json!({}));
+    let (status, err) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 401, "{err}");
+    assert_eq!(err["error"]["code"], "missing_api_key", "{err}");
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("Authorization"));
+    let send = |path: &str, auth: &str| {
+        answer(
+            ureq::post(&server.url(path))
+                .set("Authorization", auth)
+                .send_json(body.clone()),
+        )
+    };
+    let (status, err) = send("/v1/chat/completions", "Bearer s3cret-kez");
+    assert_eq!(
+        (status, err["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+    let (status, err) = send("/v1/chat/completions", "s3cret-key");
+    assert_eq!(status, 401, "a key without `Bearer`: {err}");
+    let (status, answered) = send("/v1/chat/completions", "Bearer s3cret-key");
+    assert_eq!(status, 200, "{answered}");
+    assert!(answered["choices"][0]["message"]["content"].is_string());
+    let (status, err) = server.get("/v1/models");
+    assert_eq!(status, 401, "{err}");
+    let (status, health) = server.get("/health");
+    assert_eq!((status, health["status"].as_str()), (200, Some("ok")));
+    drop(server);
+
+    // The same key from the environment; the openai client sends it as its api_key.
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(dir.path(), "{}", 7).expect("tiny model");
+    let server = Server::start_with_env(
+        dir.path().to_str().unwrap(),
+        None,
+        "ngram",
+        &[],
+        &[("DSPEC_API_KEY", "from-the-env")],
+    );
+    let (status, _) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 401);
+    let client = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/openai-client");
+    if client.join("openai").is_dir() {
+        let out = openai_client(&server, OPENAI_KEY_SCRIPT, &[]);
+        assert_eq!(out["right"], true, "{out}");
+        assert_eq!(out["wrong"], 401, "{out}");
+    }
+}
+
+/// The official client with the server's key, then with another one.
+const OPENAI_KEY_SCRIPT: &str = r#"
+import json, sys, openai
+url = sys.argv[1] + "/v1"
+messages = [{"role": "user", "content": "hi"}]
+right = openai.OpenAI(base_url=url, api_key="from-the-env")
+answer = right.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+out = {"right": answer.choices[0].message.content is not None}
+try:
+    openai.OpenAI(base_url=url, api_key="guess", max_retries=0).chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    out["wrong"] = 200
+except openai.AuthenticationError as e:
+    out["wrong"] = e.status_code
+print(json.dumps(out))
+"#;
+
+/// A server started on a non-loopback address without a key says anyone may use it;
+/// an empty key is refused.
+#[test]
+fn serving_other_machines_without_a_key_warns() {
+    let server = Server::start("ngram", &["--host", "0.0.0.0"]);
+    server.wait_for_log("without --api-key");
+    drop(server);
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(dir.path(), "{}", 7).expect("tiny model");
+    let out = Command::new(env!("CARGO_BIN_EXE_dspec"))
+        .args([
+            "serve",
+            "--target",
+            dir.path().to_str().unwrap(),
+            "--drafter",
+            "ngram",
+        ])
+        .args(["--port", "0", "--api-key", " "])
+        .output()
+        .expect("run dspec serve");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--api-key"), "{err}");
+}
+
+/// Bodies that are not JSON are refused with 415 before they are read as JSON; token
+/// ids are a completions prompt, generating what the same prompt as text does.
+#[test]
+fn a_body_must_be_json_and_a_prompt_may_be_token_ids() {
+    let server = Server::start("ngram", &[]);
+    let sent = ureq::post(&server.url("/v1/chat/completions"))
+        .set("Content-Type", "text/plain")
+        .send_string(&chat_body(json!({})).to_string());
+    let (status, err) = answer(sent);
+    assert_eq!(status, 415, "{err}");
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("application/json"));
+    let (status, _) = answer(
+        ureq::post(&server.url("/v1/chat/completions"))
+            .set("Content-Type", "application/json; charset=utf-8")
+            .send_string(&chat_body(json!({})).to_string()),
+    );
+    assert_eq!(status, 200);
+
+    let tokenizer = dspec_engine::text::tokenizer::TextTokenizer::from_dir(std::path::Path::new(
+        server._dir.as_ref().unwrap().path(),
+    ))
+    .expect("the tiny model's tokenizer");
+    let text = "abc abc abc";
+    let ids = tokenizer.encode_prompt(text, false).expect("ids");
+    let complete = |prompt: Value| {
+        server.post(
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}),
+        )
+    };
+    let (status, as_text) = complete(json!(text));
+    assert_eq!(status, 200, "{as_text}");
+    let (status, as_ids) = complete(json!(ids));
+    assert_eq!(status, 200, "{as_ids}");
+    assert_eq!(as_text["choices"][0]["text"], as_ids["choices"][0]["text"]);
+    let (status, err) = complete(json!([1, 2, 1_000_000]));
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["param"], "prompt[2]", "{err}");
+}
+
+/// A whole request on a fresh connection that closes after the answer; the raw reply.
+fn raw_request(server: &Server, path: &str, body: &Value) -> String {
+    let body = body.to_string();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    read_to_close(raw_connection(server, format!("{head}{body}").as_bytes()))
+}
+
+/// A client that sends half its headers or half its body is cut off after
+/// --read-timeout, with 408 for the body; others are served meanwhile, and beyond
+/// --max-connections a connection waits until one of the slow ones is cut off.
+#[test]
+fn slow_clients_are_cut_off_and_others_are_served_meanwhile() {
+    let server = Server::start("ngram", &["--read-timeout", "2", "--max-connections", "3"]);
+    let request = json!({"model": "tiny", "prompt": "hi", "max_tokens": 4});
+    let started = Instant::now();
+    let half_headers = raw_connection(&server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n");
+    let half_body = raw_connection(
+        &server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":",
+    );
+    // The third slot: a whole request, answered while the others stall.
+    let reply = raw_request(&server, "/v1/completions", &request);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(
+        started.elapsed() < Duration::from_millis(1900),
+        "served late"
+    );
+    // An idle connection takes the third slot again; a request past the limit waits
+    // until a slow client is cut off, and is then answered.
+    std::thread::sleep(Duration::from_millis(100));
+    let idle = raw_connection(&server, b"");
+    let waiting = Instant::now();
+    let reply = raw_request(&server, "/v1/completions", &request);
+    let waited = waiting.elapsed();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(
+        waited > Duration::from_millis(500),
+        "the connection past the limit was accepted at once ({waited:?})"
+    );
+    let body_reply = read_to_close(half_body);
+    assert!(body_reply.starts_with("HTTP/1.1 408"), "{body_reply}");
+    assert!(body_reply.contains("--read-timeout"), "{body_reply}");
+    let header_reply = read_to_close(half_headers);
+    assert!(!header_reply.contains(" 200 "), "{header_reply}");
+    read_to_close(idle);
+    let cut = started.elapsed();
+    assert!(cut < Duration::from_secs(10), "cut off after {cut:?}");
+    let (status, _) = server.get("/health");
+    assert_eq!(status, 200);
+}
+
+/// SIGTERM stops the server the graceful way: it says so, lets a stream in flight
+/// finish within its grace period (it ends with `[DONE]`), and exits successfully.
+#[test]
+fn a_stopped_server_finishes_what_it_serves_and_says_so() {
+    let mut server = Server::start("ngram", &[]);
+    let stream = open_stream(
+        &server,
+        &json!({"model": "tiny", "prompt": "count", "max_tokens": 200, "temperature": 0, "stream": true}),
+    );
+    let signalled = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(signalled.success());
+    let rest = read_to_close(stream);
+    assert!(rest.contains("[DONE]"), "the stream was cut: {rest}");
+    let stopping = Instant::now();
+    let status = loop {
+        if let Some(status) = server.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            stopping.elapsed() < Duration::from_secs(20),
+            "still running"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    server.wait_for_log("shutting down");
+    server.wait_for_log("every request finished");
 }

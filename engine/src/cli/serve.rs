@@ -33,10 +33,25 @@ pub struct ServeArgs {
     drafter: String,
     #[command(flatten)]
     tuning: DraftTuning,
-    /// Address to listen on; 0.0.0.0 serves other machines too (there is no
-    /// authentication).
+    /// Address to listen on; 0.0.0.0 serves other machines too (then give --api-key).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// Requests must carry `Authorization: Bearer KEY` (all but /health); without one,
+    /// anyone who reaches the address may use the server.
+    #[arg(
+        long,
+        env = "DSPEC_API_KEY",
+        hide_env_values = true,
+        value_name = "KEY"
+    )]
+    api_key: Option<String>,
+    /// Seconds a client has to send a request's headers, and then its body; a slower
+    /// one is cut off (1 to 3600).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u32).range(1..=3600))]
+    read_timeout: u32,
+    /// Connections open at once; more wait to be accepted until one closes (1 to 65536).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_connections: u32,
     /// Port to listen on; 0 picks a free one (the address is printed on stderr).
     #[arg(long, default_value_t = 8080)]
     port: u16,
@@ -93,7 +108,20 @@ fn serve_http(
             .unwrap_or_else(|| args.model.target.clone()),
         queue_size: args.queue_size as usize,
         max_body_bytes: args.max_body_bytes as usize,
+        api_key: args.api_key.clone(),
+        read_timeout: std::time::Duration::from_secs(args.read_timeout.into()),
+        max_connections: args.max_connections as usize,
     };
+    if let Some(key) = &config.api_key {
+        if key.trim().is_empty() || key.trim() != key {
+            anyhow::bail!("--api-key (or DSPEC_API_KEY) is empty or has spaces around it; give the key itself");
+        }
+    } else if !is_loopback(&config.host) {
+        eprintln!(
+            "[dspec] warning: serving on {} without --api-key: anyone who can reach this address can use the model",
+            config.host
+        );
+    }
     let registry = plugins.registry()?;
     let show_progress = std::io::stderr().is_terminal();
     // Runs on the model thread: the arrays it makes must stay there.
@@ -102,6 +130,16 @@ fn serve_http(
             .map_err(|e| EngineError::Invalid(format!("{e:#}")))
     });
     serve(config, load).context("dspec serve")
+}
+
+/// Whether `host` only takes connections from this machine.
+fn is_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A rank other than 0: loads its share of the target and the drafter, then generates

@@ -29,6 +29,14 @@ mod routes;
 pub mod worker;
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 use crate::error::EngineError;
 use routes::{router, AppState};
@@ -44,7 +52,17 @@ pub struct ServerConfig {
     pub queue_size: usize,
     /// Larger request bodies get 413.
     pub max_body_bytes: usize,
+    /// Requests must carry `Authorization: Bearer KEY` (all but `/health`).
+    pub api_key: Option<String>,
+    /// A request's headers, and then its body, must arrive within this long each; a
+    /// client that sends less is cut off, so it cannot hold a connection open.
+    pub read_timeout: std::time::Duration,
+    /// Connections open at once; more wait to be accepted until one closes.
+    pub max_connections: usize,
 }
+
+/// How long a stopping server lets requests in flight finish before it cancels them.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Loads the model on its thread, then serves until interrupted (Ctrl-C or SIGTERM),
 /// and returns once the model thread has finished (in a group: has stopped the others).
@@ -74,9 +92,11 @@ fn serve_http(
         facts.max_context,
         facts.drafter.clone(),
         config.max_body_bytes,
+        config.api_key.clone(),
+        config.read_timeout,
     ));
     let served = runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
+        let listener = TcpListener::bind((config.host.as_str(), config.port))
             .await
             .map_err(|e| {
                 EngineError::Invalid(format!(
@@ -92,14 +112,68 @@ fn serve_http(
             "[dspec] serving {} with drafter {} on http://{addr} (queue {})",
             config.model_id, facts.drafter, config.queue_size
         );
-        axum::serve(listener, router(state))
-            .with_graceful_shutdown(interrupted())
-            .await
-            .map_err(|e| EngineError::Invalid(format!("serving HTTP: {e}")))
+        accept(listener, router(state), &config).await;
+        Ok(())
     });
     // Ends the tasks still holding the queue, so the model thread sees it close.
     drop(runtime);
     served
+}
+
+/// Serves every connection accepted until interrupted, each through hyper with a
+/// deadline on its request headers, at most `max_connections` at once; then lets the
+/// requests in flight finish for up to [`SHUTDOWN_GRACE`] and cancels the rest (a
+/// dropped request cancels its generation).
+async fn accept(listener: TcpListener, app: axum::Router, config: &ServerConfig) {
+    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let connections = GracefulShutdown::new();
+    let mut stop = std::pin::pin!(interrupted());
+    loop {
+        // A free slot before the next accept: connections past the limit wait in the
+        // listening socket's backlog.
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            _ = &mut stop => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: say so, and try again soon
+                    // rather than spin.
+                    eprintln!("[dspec] accepting a connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => break,
+        };
+        let connection = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(config.read_timeout)
+            .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        let connection = connections.watch(connection);
+        tokio::spawn(async move {
+            // A client that breaks off is its own business; the request log has it.
+            let _ = connection.await;
+            drop(slot);
+        });
+    }
+    let open = config.max_connections - slots.available_permits();
+    eprintln!(
+        "[dspec] shutting down: {open} connection(s) open, waiting up to {} s for requests in flight",
+        SHUTDOWN_GRACE.as_secs()
+    );
+    tokio::select! {
+        _ = connections.shutdown() => eprintln!("[dspec] stopped; every request finished"),
+        _ = tokio::time::sleep(SHUTDOWN_GRACE) => eprintln!(
+            "[dspec] stopped; requests still running after {} s were cancelled",
+            SHUTDOWN_GRACE.as_secs()
+        ),
+    }
 }
 
 /// Ctrl-C, or SIGTERM (what service managers and `kill` send): either stops the server

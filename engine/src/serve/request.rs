@@ -16,6 +16,8 @@ pub enum Prompt {
     Chat(Vec<ChatMessage>),
     /// Tokenized as it is.
     Text(String),
+    /// Token ids, as the completions API also takes a prompt.
+    Tokens(Vec<u32>),
 }
 
 impl Prompt {
@@ -23,7 +25,7 @@ impl Prompt {
     pub fn param(&self) -> &'static str {
         match self {
             Prompt::Chat(_) => "messages",
-            Prompt::Text(_) => "prompt",
+            Prompt::Text(_) | Prompt::Tokens(_) => "prompt",
         }
     }
 }
@@ -50,7 +52,7 @@ pub struct JobRequest {
 
 /// `stop`: one string or a list of them.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 enum StopField {
     One(String),
     Many(Vec<String>),
@@ -58,13 +60,17 @@ enum StopField {
 
 /// A message's `content`: text, or a list of parts of which dspec reads the text ones.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, or a list of parts such as {\"type\": \"text\", \"text\": \"...\"}"
+)]
 enum ContentField {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(expecting = "a content part such as {\"type\": \"text\", \"text\": \"...\"}")]
 struct ContentPart {
     #[serde(rename = "type")]
     kind: String,
@@ -72,6 +78,7 @@ struct ContentPart {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(expecting = "a message such as {\"role\": \"user\", \"content\": \"...\"}")]
 struct RequestMessage {
     role: String,
     /// Absent or null for an assistant turn that only called tools.
@@ -83,6 +90,9 @@ struct RequestMessage {
 
 /// An assistant turn's call, as OpenAI writes it.
 #[derive(Debug, Deserialize)]
+#[serde(
+    expecting = "a tool call such as {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}"
+)]
 struct RequestToolCall {
     id: Option<String>,
     #[serde(rename = "type")]
@@ -91,6 +101,7 @@ struct RequestToolCall {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(expecting = "a function call such as {\"name\", \"arguments\"}")]
 struct RequestFunctionCall {
     name: String,
     /// OpenAI's JSON text; an object is taken too.
@@ -102,6 +113,7 @@ struct RequestFunctionCall {
 /// OpenAI-compatible servers do, so clients that send extras (`user`,
 /// `stream_options`) still work.
 #[derive(Debug, Default, Deserialize)]
+#[serde(expecting = "a JSON object with the request's fields")]
 struct Body {
     messages: Option<Vec<RequestMessage>>,
     prompt: Option<PromptField>,
@@ -132,13 +144,23 @@ struct Body {
     best_of: Option<u64>,
 }
 
-/// `prompt`: a string, or a list holding one string.
+/// `prompt`: a string, a list holding one string, or token ids (a list of them, or a
+/// list holding one such list), as OpenAI's completions API takes them.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, a list holding one string, or a list of token ids"
+)]
 enum PromptField {
     One(String),
     Many(Vec<String>),
+    Tokens(Vec<u32>),
+    ManyTokens(Vec<Vec<u32>>),
 }
+
+/// The roles a conversation's messages may have: what chat templates are written for.
+/// `developer` (OpenAI's newer name for instructions) is taken as `system`.
+pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
 /// What the checks need to know of the served model.
 pub struct ServedModel<'a> {
@@ -149,6 +171,16 @@ pub struct ServedModel<'a> {
 
 /// Parses JSON into `T`, naming the field at fault.
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    // serde would read a list as the body's fields in order, and name `[0]` at fault.
+    let opening = body.iter().find(|b| !b.is_ascii_whitespace());
+    if opening.is_some_and(|b| *b != b'{')
+        && serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok()
+    {
+        return Err(ApiError::invalid(
+            "body",
+            "the request body must be a JSON object of the request's fields, such as {\"messages\": [...]} or {\"prompt\": \"...\"}",
+        ));
+    }
     let mut de = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
@@ -165,8 +197,35 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         } else {
             path
         };
-        ApiError::invalid(param.clone(), format!("`{param}`: {inner}"))
+        let message = in_api_words(&inner.to_string());
+        ApiError::invalid(param.clone(), format!("`{param}`: {message}"))
     })
+}
+
+/// serde's words for JSON types as a client reads them: "u64" is "a whole number ≥ 0".
+fn in_api_words(message: &str) -> String {
+    const WORDS: [(&str, &str); 8] = [
+        ("expected u64", "expected a whole number of 0 or more"),
+        (
+            "expected u32",
+            "expected a token id (a whole number of 0 or more)",
+        ),
+        ("expected f64", "expected a number"),
+        ("expected a sequence", "expected a list"),
+        ("expected a map", "expected an object"),
+        ("invalid type: map", "invalid type: object"),
+        ("invalid type: sequence", "invalid type: list"),
+        ("invalid type: unit value", "invalid type: null"),
+    ];
+    let mut message = message.to_string();
+    for (serde, api) in WORDS {
+        message = message.replace(serde, api);
+    }
+    // The position serde reports is the body's line and column: noise for a field.
+    match message.find(" at line ") {
+        Some(at) => message[..at].to_string(),
+        None => message,
+    }
 }
 
 /// `POST /v1/chat/completions`'s body.
@@ -210,11 +269,24 @@ pub fn chat_request(body: &[u8], served: &ServedModel) -> Result<JobRequest, Api
             // An empty list is no calls: Llama's template would take it for some.
             _ => None,
         };
+        let role = match m.role.as_str() {
+            "developer" => "system".to_string(),
+            role if ROLES.contains(&role) => m.role,
+            role => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    format!(
+                        "`messages[{i}].role` is `{role}`; a message's role is one of {}",
+                        ROLES.join(", ")
+                    ),
+                ))
+            }
+        };
         messages.push(ChatMessage {
             tool_calls,
             tool_call_id: m.tool_call_id,
             name: m.name,
-            ..ChatMessage::new(m.role, content)
+            ..ChatMessage::new(role, content)
         });
     }
     job(Prompt::Chat(messages), body, served, false)
@@ -359,19 +431,23 @@ pub fn completion_request(body: &[u8], served: &ServedModel) -> Result<JobReques
                 "`prompt` is missing; give the text to continue",
             ))
         }
-        Some(PromptField::One(p)) => p,
-        Some(PromptField::Many(mut list)) if list.len() == 1 => list.remove(0),
-        Some(PromptField::Many(list)) => {
-            return Err(ApiError::invalid(
-                "prompt",
-                format!(
-                    "`prompt` is a list of {} prompts; dspec serves one prompt per request",
-                    list.len()
-                ),
-            ))
+        Some(PromptField::One(p)) => Prompt::Text(p),
+        Some(PromptField::Many(mut list)) if list.len() == 1 => Prompt::Text(list.remove(0)),
+        Some(PromptField::Tokens(ids)) => Prompt::Tokens(ids),
+        Some(PromptField::ManyTokens(mut list)) if list.len() == 1 => {
+            Prompt::Tokens(list.remove(0))
         }
+        Some(PromptField::Many(list)) => return Err(one_prompt(list.len())),
+        Some(PromptField::ManyTokens(list)) => return Err(one_prompt(list.len())),
     };
-    job(Prompt::Text(prompt), body, served, true)
+    job(prompt, body, served, true)
+}
+
+fn one_prompt(given: usize) -> ApiError {
+    ApiError::invalid(
+        "prompt",
+        format!("`prompt` is a list of {given} prompts; dspec serves one prompt per request"),
+    )
 }
 
 /// Fields that ask for what dspec does not do yet: refused rather than ignored, so a
@@ -656,6 +732,110 @@ mod tests {
             "{{{msgs},\"logprobs\":false,\"tools\":[],\"n\":1}}"
         ))
         .expect("valid");
+    }
+
+    /// Errors read in the API's words: JSON types and example shapes, never the Rust
+    /// types the body is parsed into.
+    #[test]
+    fn errors_name_fields_in_the_apis_words() {
+        let rust_words = [
+            "untagged enum",
+            "struct ",
+            "PromptField",
+            "RequestMessage",
+            "ContentField",
+            "u64",
+            "f64",
+            "sequence",
+            " map",
+            " at line ",
+        ];
+        let msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+        for (body, param, words) in [
+            (
+                r#"{"messages":[3]}"#.to_string(),
+                "messages[0]",
+                "a message such as",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":7}]}"#.to_string(),
+                "messages[0].content",
+                "a string, or a list of parts",
+            ),
+            (
+                format!("{{{msgs},\"stop\":5}}"),
+                "stop",
+                "a string or a list of strings",
+            ),
+            (
+                format!("{{{msgs},\"max_tokens\":\"9\"}}"),
+                "max_tokens",
+                "a whole number",
+            ),
+            (
+                format!("{{{msgs},\"max_tokens\":-1}}"),
+                "max_tokens",
+                "a whole number",
+            ),
+            (
+                format!("{{{msgs},\"temperature\":[1]}}"),
+                "temperature",
+                "expected a number",
+            ),
+            ("[1, 2]".to_string(), "body", "a JSON object"),
+            ("\"hi\"".to_string(), "body", "a JSON object"),
+        ] {
+            let err = refused(&body, param);
+            assert!(err.message.contains(words), "{body}: {}", err.message);
+            for rust in rust_words {
+                assert!(!err.message.contains(rust), "{body}: {}", err.message);
+            }
+        }
+        let err = completion_request(br#"{"prompt": {"a": 1}}"#, &SERVED).expect_err("object");
+        assert_eq!(err.param.as_deref(), Some("prompt"));
+        assert!(err.message.contains("list of token ids"), "{}", err.message);
+        assert!(!err.message.contains("PromptField"), "{}", err.message);
+    }
+
+    /// Roles outside what templates are written for are refused with the list; OpenAI's
+    /// `developer` is a system message.
+    #[test]
+    fn roles_are_the_templates_set() {
+        let err = refused(
+            r#"{"messages":[{"role":"user","content":"hi"},{"role":"wizard","content":"x"}]}"#,
+            "messages[1].role",
+        );
+        assert!(err.message.contains("wizard"), "{}", err.message);
+        assert!(
+            err.message.contains("system, user, assistant, tool"),
+            "{}",
+            err.message
+        );
+        let job = chat(r#"{"messages":[{"role":"developer","content":"be brief"},{"role":"user","content":"hi"}]}"#)
+            .expect("developer is taken");
+        let Prompt::Chat(messages) = job.prompt else {
+            panic!("a chat prompt")
+        };
+        assert_eq!(messages[0].role, "system");
+    }
+
+    /// Token ids are a completions prompt, as OpenAI's API takes them: a list, or a
+    /// list holding one list; several prompts are refused as several strings are.
+    #[test]
+    fn completions_take_token_id_prompts() {
+        let ids = |body: &str| completion_request(body.as_bytes(), &SERVED).map(|j| j.prompt);
+        assert_eq!(
+            ids(r#"{"prompt":[1,2,3]}"#).unwrap(),
+            Prompt::Tokens(vec![1, 2, 3])
+        );
+        assert_eq!(
+            ids(r#"{"prompt":[[4,5]]}"#).unwrap(),
+            Prompt::Tokens(vec![4, 5])
+        );
+        let err = ids(r#"{"prompt":[[4,5],[6]]}"#).unwrap_err();
+        assert!(err.message.contains("2 prompts"), "{}", err.message);
+        let err = ids(r#"{"prompt":[1,-2]}"#).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("prompt"));
     }
 
     #[test]

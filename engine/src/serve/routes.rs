@@ -6,18 +6,20 @@ use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{Method, StatusCode};
+use axum::http::{header, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::serve::error::ApiError;
@@ -32,6 +34,10 @@ pub struct AppState {
     pub max_context: Option<usize>,
     pub drafter: String,
     pub max_body_bytes: usize,
+    /// See [`crate::serve::ServerConfig::api_key`].
+    pub api_key: Option<String>,
+    /// See [`crate::serve::ServerConfig::read_timeout`].
+    pub read_timeout: Duration,
     pub started: u64,
     next_id: AtomicU64,
 }
@@ -43,6 +49,8 @@ impl AppState {
         max_context: Option<usize>,
         drafter: String,
         max_body_bytes: usize,
+        api_key: Option<String>,
+        read_timeout: Duration,
     ) -> Self {
         Self {
             jobs,
@@ -50,6 +58,8 @@ impl AppState {
             max_context,
             drafter,
             max_body_bytes,
+            api_key,
+            read_timeout,
             started: unix_seconds(),
             next_id: AtomicU64::new(1),
         }
@@ -72,9 +82,113 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(state)
+        .with_state(state.clone())
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), read_body))
+        .layer(middleware::from_fn_with_state(state, authorize))
         .layer(middleware::from_fn(log_requests))
+}
+
+/// With `--api-key`, every request but `/health` (which load balancers probe without
+/// credentials) must carry `Authorization: Bearer KEY`; the key is compared in constant
+/// time, so the answer's timing tells nothing of how much of a guess was right.
+async fn authorize(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let Some(key) = state.api_key.as_deref() else {
+        return next.run(req).await;
+    };
+    if req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let (message, code) = match given {
+        None => (
+            "this server needs an API key: send the header `Authorization: Bearer KEY` (the openai client's `api_key`)",
+            "missing_api_key",
+        ),
+        Some(given) if bool::from(given.as_bytes().ct_eq(key.as_bytes())) => {
+            return next.run(req).await
+        }
+        Some(_) => (
+            "the API key in `Authorization` is not this server's (--api-key)",
+            "invalid_api_key",
+        ),
+    };
+    ApiError::new(StatusCode::UNAUTHORIZED, message)
+        .with_code(code)
+        .into_response()
+}
+
+/// A POST's body: JSON (415 otherwise), read whole within the read timeout (408 for a
+/// client that sends less, which would otherwise hold its connection and the request
+/// open for as long as it liked) and at most `--max-body-bytes` long (413).
+async fn read_body(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if req.method() != Method::POST {
+        return next.run(req).await;
+    }
+    let content_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap_or("(not text)").to_string());
+    if let Some(given) = content_type.filter(|t| !is_json(t)) {
+        return ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("the request's Content-Type is `{given}`; send the body as JSON with `Content-Type: application/json`"),
+        )
+        .with_code("unsupported_media_type")
+        .into_response();
+    }
+    let (parts, body) = req.into_parts();
+    let limit = state.max_body_bytes;
+    let read = Limited::new(body, limit).collect();
+    let bytes = match tokio::time::timeout(state.read_timeout, read).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<LengthLimitError>() => return too_large(limit).into_response(),
+        Ok(Err(e)) => {
+            return ApiError::invalid("body", format!("reading the request body: {e}"))
+                .into_response()
+        }
+        Err(_) => {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {} s; send it whole (or start the server with a longer --read-timeout)",
+                    state.read_timeout.as_secs_f64()
+                ),
+            )
+            .with_code("request_timeout")
+            .into_response()
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
+}
+
+/// `application/json`, or a JSON-based type (`application/vnd.x+json`), parameters aside.
+fn is_json(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        message: format!(
+            "the request body is over {limit} bytes; send a shorter one (or start the server with a larger --max-body-bytes)"
+        ),
+        param: None,
+        code: Some("request_too_large"),
+    }
 }
 
 /// One stderr line per request, written when it ends.
@@ -201,14 +315,7 @@ impl Drop for Cancellation {
 
 fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
     if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        return ApiError {
-            status: StatusCode::PAYLOAD_TOO_LARGE,
-            message: format!(
-                "the request body is over {limit} bytes; send a shorter one (or start the server with a larger --max-body-bytes)"
-            ),
-            param: None,
-            code: Some("request_too_large"),
-        };
+        return too_large(limit);
     }
     ApiError::invalid(
         "body",

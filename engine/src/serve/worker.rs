@@ -238,6 +238,18 @@ fn encode(
         Prompt::Text(text) => tokenizer
             .encode_prompt(text, false)
             .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        Prompt::Tokens(ids) => {
+            // The target's embedding table may be wider than the tokenizer's vocabulary
+            // (padded), but an id past the table would read outside it.
+            let vocab = engine.loaded.model.info().vocab_size;
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    format!("prompt[{i}]"),
+                    format!("`prompt[{i}]` is token id {id}, past the model's vocabulary of {vocab} ids (0 to {})", vocab - 1),
+                ));
+            }
+            ids.clone()
+        }
         Prompt::Chat(messages) => {
             let template = template
                 .as_ref()
