@@ -13,10 +13,11 @@ ranks=${2:-2}
 max_tokens=${3:-64}
 repeats=${4:-2}
 
+bash scripts/setup.sh >&2   # the build's needs and jq
 cargo build --release --locked -p dspec-engine -p dspec-runtime --example all_sum_latency >&2
 dspec=target/release/dspec
 [ -d "$model" ] || model=$(bash scripts/fetch-models.sh "$model")
-hidden=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["hidden_size"])' "$model/config.json")
+hidden=$(jq -r .hidden_size "$model/config.json")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -44,11 +45,7 @@ as_ranks() {
 }
 
 summary() { # JSON of `generate --json` -> "tok/s tau"
-  python3 -c '
-import json, sys
-j = json.load(sys.stdin)
-tau = (j.get("speculative") or {}).get("tau", 1.0)
-print("%.2f %.2f" % (j["stats"]["decode_tokens_per_second"], tau))'
+  jq -r '"\(.stats.decode_tokens_per_second * 100 | round / 100) \((.speculative.tau // 1) * 100 | round / 100)"'
 }
 
 edit_prompt='Rename the variable count to total in this code and return the whole code:

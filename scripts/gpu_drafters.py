@@ -3,16 +3,15 @@
 
 Per target shape (Qwen3-4B, Qwen3-8B), in one invocation, with random weights (speed
 depends on shapes, not values; the real checkpoints cannot reach the GPU machine):
-  - writes the target (scripts/random_weights.py), a DFlash drafter (5 layers, block 16)
-    and a DSpark drafter (5 layers, block 7, Markov rank 256, confidence head) of its
-    shapes (scripts/random_drafters.py), and a Qwen3-0.6B-shaped draft model;
+  - writes the target, a DFlash drafter (5 layers, block 16) and a DSpark drafter (5
+    layers, block 7, Markov rank 256, confidence head) of its shapes, and a
+    Qwen3-0.6B-shaped draft model (all by scripts/random_weights.py);
   - runs `dspec bench --json` once per line, each its own process under a timeout:
-    DFlash `--max-draft 15` (also with MLX's kernels only), DSpark `--max-draft 7` (4-bit,
-    its default, and with `--drafter-bits 0`), the draft model `--max-draft 4
+    DFlash `--max-draft 15` (also with MLX's kernels only), DSpark `--max-draft 7` (bf16,
+    its default on CUDA, and 4-bit with `--drafter-bits 4`), the draft model `--max-draft 4
     --draft-ahead off`;
-  - runs one-shot `dspec generate --trace` with DFlash and DSpark, this build's and, given
-    --dspec-base, an earlier one's: each round timed, the first ones apart (what a process
-    pays once, which bench's warm-up hides);
+  - runs one-shot `dspec generate --trace` with DFlash and DSpark: each round timed, the
+    first ones apart (what a process pays once, which bench's warm-up hides);
   - takes each report's `round_cost` (medians over the rounds that drafted, against the
     plain step of the same process), tau and speedup;
   - times mlx-lm's plain greedy decoding of the same prompt ids, where mlx-lm imports.
@@ -25,13 +24,12 @@ $OUT/drafters-SHAPE.txt (the table) after every step, so a run cut short keeps w
 
 Usage: python3 scripts/gpu_drafters.py [--dspec /tmp/dspec] [--shapes 4b,8b] [--out DIR]
            [--max-tokens 128] [--passes 3] [--timeout 300] [--skip-mlx-lm]
-           [--configs scripts/configs] [--models /tmp/models-drafters] [--crash-shim SO]
-           [--lines dflash,dspark_4bit,...] [--no-first-rounds] [--dspec-base BIN]
+           [--tokenizer DIR] [--models /tmp/models-drafters]
+           [--lines dflash,dspark_4bit,...] [--no-first-rounds]
 """
 
 import argparse
 import json
-import lzma
 import os
 import shutil
 import subprocess
@@ -41,7 +39,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_gpu import aggregate, mlx_lm_generate, mlx_lm_view, weight_bytes  # noqa: E402
+from gpu_report import aggregate, mlx_lm_generate, mlx_lm_view, weight_bytes  # noqa: E402
+import random_weights  # noqa: E402
 
 SHAPES = {"4b": "qwen3-4b", "8b": "qwen3-8b"}
 DRAFT_MODEL = "qwen3-0.6b"
@@ -58,21 +57,9 @@ def log(msg):
 
 
 def prepared_config(args, name, work):
-    """A copy of configs/NAME with the Qwen3 tokenizer files beside it (from --tokenizer,
-    as scripts/gpu-drafters-prepare.sh leaves them), as random_weights.py copies a model
-    directory's tokenizer files from its config directory."""
-    src, dst = os.path.join(args.configs, name), os.path.join(work, "configs", name)
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        shutil.copy(os.path.join(src, f), dst)
-    shutil.copy(os.path.join(args.tokenizer, "tokenizer_config.json"), dst)
-    tok = os.path.join(dst, "tokenizer.json")
-    if not os.path.exists(tok):
-        with lzma.open(os.path.join(args.tokenizer, "tokenizer.json.xz")) as f, \
-                open(tok + ".tmp", "wb") as g:
-            shutil.copyfileobj(f, g)
-        os.replace(tok + ".tmp", tok)
-    return dst
+    """The shape's config.json with the Qwen3 tokenizer files beside it (from --tokenizer,
+    as scripts/gpu-prepare.sh packs them), which random_weights.py copies into a model."""
+    return random_weights.config_dir(name, args.tokenizer, os.path.join(work, "configs", name))
 
 
 def write_model(out_dir, cmd, timings, key):
@@ -91,9 +78,9 @@ def write_model(out_dir, cmd, timings, key):
 
 
 class Runs:
-    """The dspec processes of a report: each under scripts/stall_stacks.py (a hang past
-    the timeout leaves its threads' stacks, then is killed), its whole stderr appended to
-    the log (this process's stderr), its exit code and seconds kept."""
+    """The dspec processes of a report: each killed past the timeout (exit 124, as
+    timeout(1) reports it), its whole stderr appended to the log (this process's stderr),
+    its exit code and seconds kept."""
 
     def __init__(self, args, work):
         self.args, self.work, self.count = args, work, 0
@@ -102,36 +89,28 @@ class Runs:
         self.count += 1
         n = self.count
         timeout = timeout or self.args.timeout
-        stall = os.path.join(self.work, f"stall-{n}.json")
-        crash = os.path.join(self.work, f"crash-{n}.txt")
         env = {**os.environ, **(env or {})}
-        if self.args.crash_shim:
-            env.update(LD_PRELOAD=self.args.crash_shim, CRASH_BACKTRACE_FILE=crash)
-        wrapped = [sys.executable, os.path.join(HERE, "stall_stacks.py"), "--after",
-                   str(timeout), "--json-out", stall, "--", *cmd]
         log(f"+ [run {n}] " + " ".join(cmd))
         start = time.time()
-        out = subprocess.run(wrapped, capture_output=True, text=True, env=env)
-        seconds = round(time.time() - start, 1)
-        log(f"--- [run {n}] stderr (exit {out.returncode}, {seconds} s) ---")
-        log(out.stderr.rstrip())
-        rec = {"command": cmd, "exit": out.returncode, "seconds": seconds,
-               "stderr_tail": out.stderr[-3000:]}
         try:
-            rec["output"] = json.loads(out.stdout)
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+            code, stdout, stderr = out.returncode, out.stdout, out.stderr
+        except subprocess.TimeoutExpired as e:
+            code = 124
+            stdout = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            stderr = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            log(f"HUNG: [run {n}] killed after {timeout} s")
+        seconds = round(time.time() - start, 1)
+        log(f"--- [run {n}] stderr (exit {code}, {seconds} s) ---")
+        log(stderr.rstrip())
+        rec = {"command": cmd, "exit": code, "seconds": seconds, "stderr_tail": stderr[-3000:]}
+        if code == 124:
+            rec["stall"] = True
+        try:
+            rec["output"] = json.loads(stdout)
         except json.JSONDecodeError:
             rec["output"] = None
-            rec["stdout_tail"] = out.stdout[-2000:]
-        for key, path in (("stall", stall), ("crash", crash)):
-            if os.path.exists(path) and os.path.getsize(path) > 0:
-                with open(path) as f:
-                    text = f.read()
-                try:
-                    rec[key] = json.loads(text)
-                except json.JSONDecodeError:
-                    rec[key] = text
-        if out.returncode == 124 and "stall" in rec:
-            log(f"HUNG: [run {n}] killed after {timeout} s (its stacks are in the JSON)")
+            rec["stdout_tail"] = stdout[-2000:]
         return rec
 
 
@@ -143,7 +122,7 @@ def bench_lines(dflash, dspark, draft):
     return [
         ("dflash", "DFlash b16, k=15", dflash, 15, [], {}),
         ("dflash_mlx", "DFlash b16, k=15, MLX kernels only", dflash, 15, [], mlx_only),
-        ("dspark_4bit", "DSpark b7, k=7, 4-bit", dspark, 7, [], {}),
+        ("dspark_4bit", "DSpark b7, k=7, 4-bit", dspark, 7, ["--drafter-bits", "4"], {}),
         ("dspark_bf16", "DSpark b7, k=7, bf16", dspark, 7, ["--drafter-bits", "0"], {}),
         ("draft_model", "draft model 0.6B, k=4, ahead off", draft, 4, ["--draft-ahead", "off"],
          {}),
@@ -296,14 +275,12 @@ def run_shape(args, shape, runs, work, device):
     py = sys.executable
     w = rec["write_seconds"]
     # random_weights.py takes its output directory last (write_model appends it).
-    write_model(target, [py, os.path.join(HERE, "random_weights.py"), cfg, "--seed", "0"], w,
-                "target")
+    writer = os.path.join(HERE, "random_weights.py")
+    write_model(target, [py, writer, cfg, "--seed", "0"], w, "target")
     for kind, out in (("dflash", dflash), ("dspark", dspark)):
-        write_model(out, [py, os.path.join(HERE, "random_drafters.py"), "--target-config", cfg,
-                          "--kind", kind, "--layers", str(args.drafter_layers), "--seed", "2",
-                          "--out"], w, kind)
-    write_model(draft, [py, os.path.join(HERE, "random_weights.py"), draft_cfg, "--seed", "1"],
-                w, "draft_model")
+        write_model(out, [py, writer, cfg, "--drafter", kind, "--layers",
+                          str(args.drafter_layers), "--seed", "2"], w, kind)
+    write_model(draft, [py, writer, draft_cfg, "--seed", "1"], w, "draft_model")
     wb = weight_bytes(target)
     step_s = wb / (args.hbm_gbps * 1e9)
     rec["physical_limit"] = {"weight_gb": wb / 1e9, "hbm_gbps": args.hbm_gbps,
@@ -341,7 +318,7 @@ def run_shape(args, shape, runs, work, device):
     # (bench repeats its prompts, so a build that plans per context length finds its
     # plans built in every pass after the first, as no one-shot generation does).
     rec["first_rounds"] = {}
-    binaries = [("new", args.dspec)] + ([("base", args.dspec_base)] if args.dspec_base else [])
+    binaries = [("new", args.dspec)]
     if args.no_first_rounds:
         binaries = []
     for (build, binary), (kind, drafter, k) in [
@@ -386,14 +363,10 @@ def run_shape(args, shape, runs, work, device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dspec", default="/tmp/dspec")
-    ap.add_argument("--dspec-base", help="an earlier build, whose one-shot DFlash and DSpark "
-                    "generations run beside this build's (an A/B in one call)")
     ap.add_argument("--shapes", default="4b,8b", help="comma-separated: 4b, 8b")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu-drafters")
     ap.add_argument("--models", default="/tmp/models-drafters",
                     help="where the random models go (a whole one is reused)")
-    ap.add_argument("--configs", default=os.path.join(HERE, "configs"),
-                    help="holds qwen3-4b/, qwen3-8b/, qwen3-0.6b/ (config.json)")
     ap.add_argument("--tokenizer", default=".gpu/bench/qwen3-tokenizer",
                     help="holds the Qwen3 tokenizer.json.xz and tokenizer_config.json")
     ap.add_argument("--lines", help="comma-separated keys of the bench lines to run "
@@ -410,8 +383,6 @@ def main():
                          "H200, else 3350, an H100 SXM's)")
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-mlx-lm-note", default="--skip-mlx-lm given")
-    ap.add_argument("--crash-shim", help="scripts/crash_backtrace.c built as a shared "
-                    "library, preloaded into every dspec process")
     ap.add_argument("--mlx-lm-child", nargs=2, metavar=("TARGET", "PROMPT_IDS_JSON"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()

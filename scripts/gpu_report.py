@@ -13,7 +13,7 @@ In one invocation, on one target (and its draft model):
     the n-gram `dspec bench` (`--temperature`), and 4-bit weights (`--quantize 4`) against
     greedy decoding run the same way (`dspec generate`, one process per prompt each);
   - verify cost per width against one decode step: the model drafting for itself, rounds
-    read one by one (scripts/gpu_verify_cost.py), and rounds queued ahead with every
+    read one by one (`--trace`, `--draft-ahead off`), and rounds queued ahead with every
     draft kept (the plain answer to the first prompt replayed, `dspec bench --verify-ahead
     always --trace`: a round against the plain steps of the same process; with random
     weights, only models written with `random_weights.py --residual-scale` keep them,
@@ -22,23 +22,26 @@ In one invocation, on one target (and its draft model):
     draft model (k=4), 4-bit (nn.quantize in the process) and warm prefill.
 Prints one table with the physical limit of plain decoding, writes JSON after each part.
 
+`--kept-only --kernels 1,0` runs only the kept-drafts lines, once with dspec's CUDA kernels
+for short continuations (DSPEC_CUDA_KERNELS=1) and once with MLX's own (0), in one command.
+`--write-edit-prompt FILE` writes the long edit prompt as `dspec bench --prompts` reads it.
+
 Usage: python3 scripts/gpu_report.py --dspec BIN --target DIR --draft DIR [--json-out F]
            [--prefill-lengths 1024,4096,16384] [--widths 2,4,8,16] [--kept-passes 7]
-           [--kept-target DIR] [--skip-mlx-lm] [--crash-shim crash_backtrace.so]
+           [--kept-target DIR] [--skip-mlx-lm] [--kept-only] [--kernels 1,0]
+       python3 scripts/gpu_report.py --write-edit-prompt FILE
 """
 
 import argparse
 import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import aggregate, mlx_lm_generate, mlx_lm_view, weight_bytes  # noqa: E402
-import gpu_verify_cost  # noqa: E402
 
 EDIT_BODY = "\n".join(
     [
@@ -76,47 +79,168 @@ PROMPTS = [
 SAMPLING = ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]
 
 
-class Runner:
-    """Runs the dspec processes of a report, numbered in order, and keeps the evidence of
-    any that hung or crashed in `evidence_dir` (default: the temporary directory)."""
+def mlx_lm_generate(stream_generate, model, tokenizer, prompt_ids, max_tokens, sampler,
+                    draft=None, num_draft=0):
+    """Generated ids (EOS excluded), decode tok/s, and tau (speculative only)."""
+    import mlx.core as mx
 
-    def __init__(self, evidence_dir=None, crash_shim=None):
-        self.evidence_dir = evidence_dir or tempfile.gettempdir()
-        self.crash_shim = crash_shim
+    kwargs = {"max_tokens": max_tokens, "sampler": sampler}
+    if draft is not None:
+        kwargs.update(draft_model=draft, num_draft_tokens=num_draft)
+    tokens, from_draft, times, last_from_draft = [], 0, [], False
+    for r in stream_generate(model, tokenizer, mx.array(prompt_ids), **kwargs):
+        # The last response repeats the last token (or carries the EOS that ended it).
+        if r.finish_reason is not None and tokens and r.generation_tokens == len(tokens):
+            break
+        if r.finish_reason == "stop":
+            break
+        tokens.append(int(r.token))
+        from_draft += bool(r.from_draft)
+        last_from_draft = bool(r.from_draft)
+        times.append(time.perf_counter())
+    tps = (len(tokens) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+    # Each verify yields one token of the target's own, except a last round cut short by
+    # max_tokens, which ends on drafts: count it too, as dspec counts its forwards.
+    rounds = len(tokens) - from_draft + int(last_from_draft)
+    tau = len(tokens) / rounds if draft is not None and rounds else None
+    return tokens, tps, tau
+
+
+def mlx_lm_view(model_dir):
+    """mlx-lm only loads weight files named model*.safetensors; dspec names its converted
+    shards shard-NNNNN.safetensors. Gives a directory of links with names mlx-lm finds."""
+    import glob
+    import tempfile
+    if glob.glob(os.path.join(model_dir, "model*.safetensors")):
+        return model_dir
+    view = tempfile.mkdtemp(prefix="mlx-lm-view-")
+    for name in os.listdir(model_dir):
+        src = os.path.abspath(os.path.join(model_dir, name))
+        dst = f"model-{name}" if name.endswith(".safetensors") else name
+        if name != "model.safetensors.index.json":
+            os.symlink(src, os.path.join(view, dst))
+    return view
+
+
+def weight_bytes(model_dir):
+    """Bytes of weights one decode step reads: every tensor, except that an embedding
+    table is only gathered from (one row) when a separate lm_head does the output."""
+    sizes = {}
+    for f in os.listdir(model_dir):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(model_dir, f), "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    start, end = info["data_offsets"]
+                    sizes[name] = end - start
+    total = sum(sizes.values())
+    if "lm_head.weight" in sizes:
+        total -= sizes.get("model.embed_tokens.weight", 0)
+    return total
+
+
+def aggregate(rates_tokens):
+    """Overall tok/s over prompts: total tokens / total time."""
+    tokens = sum(n for _, n in rates_tokens)
+    seconds = sum(n / r for r, n in rates_tokens if r > 0)
+    return tokens / seconds if seconds else 0.0
+
+
+VERIFY_PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
+
+
+def dspec_json(cmd, env=None):
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         env=None if env is None else {**os.environ, **env})
+    if out.returncode != 0:
+        print(out.stderr.strip()[-2000:], file=sys.stderr)
+        return None
+    return json.loads(out.stdout)
+
+
+def kept_round_steps(report, trace_path):
+    """A `dspec bench` of one prompt with `--verify-ahead always --trace`: what a round
+    costs in the same process's plain steps. Returns (whole, traced, per_pass): whole =
+    tau / speedup (a whole round, everything it does, from the passes' own ratios);
+    per pass, the median `verify_ms` of its widest rounds queued ahead (the guess held)
+    over the plain step of the plain run beside it (`plain_passes`, in the order run);
+    traced = the median of those."""
+    runs = []
+    with open(trace_path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r["round"] == 0 or not runs:
+                runs.append([])
+            runs[-1].append(r)
+    widest = max((len(r["drafted"]) for run in runs for r in run), default=0)
+    per_pass = []
+    for run, plain in zip(runs, report["rows"][0]["plain_passes"]):
+        ahead = [r["verify_ms"] for r in run if r["queued_ahead"] and len(r["drafted"]) == widest]
+        if ahead and plain:
+            per_pass.append(statistics.median(ahead) * plain / 1e3)
+    whole = report["tau"] / report["speedup"] if report.get("speedup") else None
+    return whole, (statistics.median(per_pass) if per_pass else None), per_pass
+
+
+def plain_step_ms(dspec, model, max_tokens, extra, run=dspec_json):
+    """One decode step's milliseconds, the decode rate and its breakdown; `run` runs the
+    command and returns its JSON (the report passes its Runner's)."""
+    result = run([dspec, "generate", "--target", model, "--prompt", VERIFY_PROMPT,
+                  "--max-tokens", str(max_tokens), "--no-chat-template", "--json", *extra])
+    if result is None:
+        return None, None, None
+    tps = result["stats"]["decode_tokens_per_second"]
+    return (1e3 / tps if tps else None), tps, result["stats"].get("decode_breakdown")
+
+
+def verify_ms(dspec, model, width, max_tokens, extra, env=None, run=None):
+    """The median verify milliseconds at `width` from a trace, and how many rounds gave
+    it; `run` as in plain_step_ms (by default dspec_json with `env` added)."""
+    run = run or (lambda cmd: dspec_json(cmd, env))
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as trace:
+        result = run([dspec, "generate", "--target", model, "--drafter", f"model:{model}",
+                      "--max-draft", str(width - 1), "--draft-ahead", "off",
+                      "--prompt", VERIFY_PROMPT, "--max-tokens", str(max_tokens),
+                      "--no-chat-template", "--json", "--trace", trace.name, *extra])
+        if result is None:
+            return None, 0
+        rounds = [json.loads(line) for line in open(trace.name) if line.strip()]
+    # The first rounds pay one-off costs (kernel builds, plans): leave them out.
+    times = [r["verify_ms"] for r in rounds[2:] if len(r["drafted"]) == width - 1]
+    return (statistics.median(times) if times else None), len(times)
+
+
+class Runner:
+    """Runs the dspec processes of a report, numbered in order, and logs each command;
+    `env` is added to every process's environment."""
+
+    def __init__(self, env=None):
         self.runs = 0
+        self.env = env
 
     def json(self, cmd, tries=2, timeout=900):
         """The JSON a command prints, or None. A process killed by a signal (an abort) is
         run once more, and the log says so: one crash should not empty every line that
-        depends on it, and the log keeps it for the report's reader. One that runs past
-        `timeout` seconds (a hang) is killed and reported as such.
-
-        Every command runs under scripts/stall_stacks.py, so a hang leaves where its
-        threads were (stall-N.json); with a crash shim, a crash leaves the dying thread's
-        backtrace in crash-N.txt."""
+        depends on it. One that runs past `timeout` seconds (a hang) is killed."""
         self.runs += 1
-        stall = os.path.join(self.evidence_dir, f"stall-{self.runs}.json")
-        crash = os.path.join(self.evidence_dir, f"crash-{self.runs}.txt")
-        env = dict(os.environ)
-        if self.crash_shim:
-            env.update(LD_PRELOAD=self.crash_shim, CRASH_BACKTRACE_FILE=crash)
-        wrapped = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                "stall_stacks.py"),
-                   "--after", str(timeout), "--json-out", stall, "--", *cmd]
         print(f"+ [run {self.runs}] " + " ".join(cmd), file=sys.stderr, flush=True)
-        out = subprocess.run(wrapped, capture_output=True, text=True, env=env)
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                 env=None if self.env is None else {**os.environ, **self.env})
+        except subprocess.TimeoutExpired:
+            print(f"HUNG: killed after {timeout} s", file=sys.stderr)
+            return None
         if out.stderr.strip():
             print(out.stderr.strip()[-1500:], file=sys.stderr)
-        if out.returncode == 124 and os.path.exists(stall):
-            print(f"HUNG: killed after {timeout} s; its threads' stacks are in {stall}",
-                  file=sys.stderr)
-            return None
         try:
             return json.loads(out.stdout)
         except json.JSONDecodeError:
             print(f"failed (exit {out.returncode})", file=sys.stderr)
-            if os.path.exists(crash) and os.path.getsize(crash) > 0:
-                print(f"its crash backtrace is in {crash}", file=sys.stderr)
             if out.returncode < 0 and tries > 1:
                 print(f"CRASHED (signal {-out.returncode}); running it once more",
                       file=sys.stderr)
@@ -154,7 +278,7 @@ def prompts_file(texts, directory=None):
 def verify_kept(args, runner, widths):
     """Rounds queued ahead with every draft kept, per width: the plain answer to the first
     prompt replayed (`--drafter replay:`), one `dspec bench` process per width, its round
-    costs from `--trace` against its own plain runs (gpu_verify_cost.kept_round_steps)."""
+    costs from `--trace` against its own plain runs (kept_round_steps)."""
     target = args.kept_target or args.target
     answer = runner.json([args.dspec, "generate", "--target", target, "--prompt", PROMPTS[0],
                           "--max-tokens", str(args.max_tokens), "--json"])
@@ -173,7 +297,7 @@ def verify_kept(args, runner, widths):
                            target)
             if report is None:
                 continue
-            whole, traced, per_pass = gpu_verify_cost.kept_round_steps(report, trace)
+            whole, traced, per_pass = kept_round_steps(report, trace)
             kept[str(w)] = {"whole_steps": whole, "traced_steps": traced,
                             "traced_per_pass": per_pass, "speedup": report["speedup"],
                             "tau": report["tau"], "near_ties": report["near_ties"],
@@ -235,9 +359,10 @@ class MlxLmPeer:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dspec", required=True)
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
+    ap.add_argument("--dspec")
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--write-edit-prompt", metavar="FILE")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prefill-lengths", default="1024,4096,16384")
     ap.add_argument("--widths", default="2,4,8,16")
@@ -249,12 +374,29 @@ def main():
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument("--skip-verify", action="store_true")
     ap.add_argument("--json-out")
-    ap.add_argument("--crash-shim", help="scripts/crash_backtrace.c built as a shared "
-                    "library: preloaded into every dspec process, for crash backtraces")
+    ap.add_argument("--kept-only", action="store_true",
+                    help="only the lines of rounds queued ahead with every draft kept")
+    ap.add_argument("--kernels", help="DSPEC_CUDA_KERNELS values to run the kept lines "
+                    "with, comma-separated (default: dspec's own choice)")
     args = ap.parse_args()
-    runner = Runner(os.path.dirname(os.path.abspath(args.json_out)) if args.json_out else None,
-                    args.crash_shim)
+    if args.write_edit_prompt:
+        with open(args.write_edit_prompt, "w") as f:
+            f.write(json.dumps({"prompt": EDIT_PROMPT}) + "\n")
+        return
+    if not (args.dspec and args.target and args.draft):
+        ap.error("--dspec, --target and --draft are required")
+    runner = Runner()
     rec = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens}
+    if args.kept_only:
+        widths = [int(w) for w in args.widths.split(",")]
+        for k in (args.kernels or "").split(",") if args.kernels else [None]:
+            env = None if k is None else {"DSPEC_CUDA_KERNELS": k}
+            rec[f"verify_kept_kernels_{k}"] = kept = verify_kept(args, Runner(env), widths)
+            print_kept(f"DSPEC_CUDA_KERNELS={k}" if k is not None else "", kept)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(rec, f, indent=1)
+        return
 
     def save():
         if args.json_out:
@@ -277,12 +419,12 @@ def main():
     save()
     if not args.skip_verify:
         widths = [int(w) for w in args.widths.split(",")]
-        step, tps, _ = gpu_verify_cost.plain_step_ms(args.dspec, args.target, 128, [],
+        step, tps, _ = plain_step_ms(args.dspec, args.target, 128, [],
                                                       run=runner.json)
         verify = {"step_ms": step}
         for mode, ws in (("batched", widths), ("exact", [4])):
             for w in ws:
-                ms, n = gpu_verify_cost.verify_ms(args.dspec, args.target, w, 96,
+                ms, n = verify_ms(args.dspec, args.target, w, 96,
                                                   ["--verify", mode], run=runner.json)
                 verify[f"{mode}:{w}"] = {"ms": ms, "steps": ms / step if ms and step else None}
         rec["verify"] = verify
@@ -364,7 +506,10 @@ def print_table(rec, peer, limit):
         cells = "  ".join(f"{k} {x['ms']:.2f} ms = {x['steps']:.2f} steps"
                           for k, x in v.items() if isinstance(x, dict) and x.get("ms"))
         print(f"verify, rounds read one by one (one decode step {v['step_ms']:.2f} ms): {cells}")
-    kept = rec.get("verify_kept")
+    print_kept("", rec.get("verify_kept"))
+
+
+def print_kept(label, kept):
     if kept:
         cells = "  ".join(
             f"w {w}: {x['whole_steps']:.2f} whole / "
@@ -372,7 +517,7 @@ def print_table(rec, peer, limit):
             + f" traced (tau {x['tau']:.2f}, {x['speedup']:.2f}x)"
             for w, x in kept.items() if x.get("whole_steps"))
         print(f"verify, rounds queued ahead with every draft kept, in plain steps of the same "
-              f"process: {cells}")
+              f"process{', ' + label if label else ''}: {cells}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 have_pkg libclang-dev || ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
 ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || need+=(libopenblas0-pthread)
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+# The benchmark scripts read dspec's --json output with jq.
+command -v jq >/dev/null 2>&1 || need+=(jq)
 
 if [ ${#need[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null 2>&1; then

@@ -1,6 +1,6 @@
 //! Golden tests: each built-in family's logits against an independent implementation.
 //! Hugging Face transformers built, saved and ran the tiny checkpoints in tests/golden/
-//! (scripts/golden/make_golden.py); dspec loads them as a user's model and must agree.
+//! (adapters/tests/golden/make_golden.py); dspec loads them as a user's model and must agree.
 //!
 //! The family unit tests check dspec against itself (cached = uncached, quantized ≈
 //! float); only a reference computed elsewhere catches a wrong tensor name, norm
@@ -104,7 +104,7 @@ fn read_expected(dir: &Path) -> Expected {
     let path = dir.join("expected.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "{}: {e} (run scripts/golden/make_golden.py)",
+            "{}: {e} (run adapters/tests/golden/make_golden.py)",
             path.display()
         )
     });

@@ -37,8 +37,8 @@ pub fn rows_summed_alike(name: &str) -> Option<i32> {
 /// Whether OpenBLAS's kernels `name` multiply by an f32 weight stored `[in, out]` faster
 /// than by one stored `[out, in]` and read transposed (the checkpoint's layout, and
 /// mlx-lm's), at the row counts of decoding and verifying. Measured through MLX with
-/// each kernel set forced on an AVX-512 Xeon (scripts/cpu_weight_layout.py;
-/// docs/benchmarks.md, "Weight layout on the CPU"): Haswell's and Prescott's kernels read
+/// each kernel set forced (docs/benchmarks.md, "Weight layout on the CPU"): Haswell's
+/// and Prescott's kernels read
 /// `[in, out]` faster, SkylakeX's, Cooperlake's and Sandybridge's read `[out, in]`
 /// faster. Zen runs Haswell's f32 kernel and packing. Kernels not measured, and a BLAS
 /// that is not OpenBLAS (`None` from [`loaded_kernels`]), keep the checkpoint's layout.

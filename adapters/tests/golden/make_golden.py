@@ -13,7 +13,7 @@ runs Python. Install (from the repository root):
 
     python3 -m venv target/golden-venv
     target/golden-venv/bin/pip install torch==2.15.0 transformers==5.24.0 safetensors==0.8.0
-    target/golden-venv/bin/python scripts/golden/make_golden.py
+    target/golden-venv/bin/python adapters/tests/golden/make_golden.py
 
 (PyPI's Linux torch wheel is the CUDA build and pulls NVIDIA libraries; this script
 only ever runs it on the CPU. Where download.pytorch.org is reachable,
@@ -365,8 +365,9 @@ def make(family, out_root):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", help=f"default: all ({', '.join(FAMILIES)})")
-    root = pathlib.Path(__file__).resolve().parents[2]
-    parser.add_argument("--out", type=pathlib.Path, default=root / "adapters/tests/golden")
+    # The golden data lives beside this script.
+    here = pathlib.Path(__file__).resolve().parent
+    parser.add_argument("--out", type=pathlib.Path, default=here)
     args = parser.parse_args()
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown:
