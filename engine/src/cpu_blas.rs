@@ -2,11 +2,10 @@
 //! restart that corrects them where OpenBLAS took the CPU for a much older one.
 //!
 //! OpenBLAS built for many CPUs (`DYNAMIC_ARCH`, as Debian ships it) picks its kernels
-//! once, as it loads. Before 0.3.25, an Intel CPU of family 6 whose model it did not know
-//! fell through to its Prescott kernels (SSE3) instead of the choice by instruction set it
-//! makes for other unknown CPUs (OpenBLAS commit e12aaed, "Fix unwanted fallthrough from
-//! Intel Family 6 to 15 in case of identification failure"). Debian 12's 0.3.21 does this
-//! on Emerald Rapids Xeons. Those kernels are slower, and they sum a product of two rows
+//! once, as it loads. Older releases take an Intel CPU of family 6 whose model they do
+//! not know for a Prescott (SSE3) instead of choosing by instruction set as they do for
+//! other unknown CPUs; Debian 12's does this on Emerald Rapids Xeons
+//! (docs/mlx-on-linux.md names the releases and the fix). Those kernels are slower, and they sum a product of two rows
 //! differently from a product of one, so a verify's rows would round apart from
 //! one-token decoding and f32 speculative greedy output could leave plain decoding's.
 //!
@@ -44,8 +43,8 @@ const WITHOUT_AVX: &[&str] = &[
 
 use dspec_runtime::blas::loaded_kernels;
 
-/// OpenBLAS's kernels for this CPU by its instruction sets, as OpenBLAS 0.3.25 and later
-/// pick them for a CPU they do not know: AVX-512 (with VL) SkylakeX, AVX2 Haswell, AVX
+/// OpenBLAS's kernels for this CPU by its instruction sets, as current OpenBLAS picks
+/// them for a CPU it does not know: AVX-512 (with VL) SkylakeX, AVX2 Haswell, AVX
 /// Sandybridge. `None` without AVX.
 pub fn kernels_by_instruction_set() -> Option<&'static str> {
     #[cfg(target_arch = "x86_64")]

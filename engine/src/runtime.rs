@@ -27,8 +27,8 @@ pub fn mlx_version() -> String {
 /// thread-local destructors or exit handlers. MLX's CUDA backend destroys its command
 /// encoders (streams, CUDA graphs) in such destructors, which can run after the CUDA
 /// runtime has unloaded; the failed `Destroy` then throws from a destructor and the
-/// process aborts (SIGABRT, exit 134) after a successful run, as seen on an H100 with
-/// MLX 0.32.2 (upstream: ml-explore/mlx pull request 4531). Skipping the exit handlers
+/// process aborts (SIGABRT, exit 134) after a successful run (docs/mlx-on-linux.md has
+/// the upstream report). Skipping the exit handlers
 /// also keeps OpenBLAS's from waiting forever on a worker that MLX's stream thread left
 /// mid-call (the CPU hang of a step still queued at exit). The operating system frees
 /// what the destructors would have.

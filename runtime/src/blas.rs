@@ -22,7 +22,7 @@ pub fn loaded_kernels() -> Option<String> {
 
 /// Most rows of one f32 product for which OpenBLAS's kernels `name` give every row the
 /// bits of that row's one-row product, whatever the thread count, where a C probe against
-/// OpenBLAS 0.3.21 found a limit below 64 rows (docs/verify-numerics.md, "Which OpenBLAS
+/// Debian 12's OpenBLAS found a limit below 64 rows (docs/verify-numerics.md, "Which OpenBLAS
 /// kernels run"). `None` where every count up to 64 agreed, or where nothing was probed.
 pub fn rows_summed_alike(name: &str) -> Option<i32> {
     match name {

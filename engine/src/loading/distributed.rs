@@ -319,7 +319,7 @@ impl Distributed {
     }
 
     /// Sleeps until rank 0 starts the next collective, however long that takes: a
-    /// follower of `dspec serve` waiting for the next request. MLX 0.32's ring backend
+    /// follower of `dspec serve` waiting for the next request. MLX's ring backend
     /// waits for a transfer by retrying a non-blocking `recv` in a loop (`ring.cpp`'s
     /// `SocketThread`), so a rank that waited inside the collective would keep a core
     /// busy for as long as the server is idle. Instead this waits in poll(2) on the
@@ -399,7 +399,7 @@ impl Distributed {
 /// connected to its right neighbour), and those accepted on this rank's own address
 /// (from its left neighbour). Found among the process's open sockets once the group has
 /// formed: MLX keeps its sockets to itself, and a dead peer's closed connection is the
-/// one sign of death MLX 0.32's ring does not pass on (its socket thread fails the
+/// one sign of death MLX's ring does not pass on (its socket thread fails the
 /// transfer in flight and stops, so the next transfer on that socket waits forever).
 #[cfg(target_os = "linux")]
 fn ring_connections(hosts: &[Vec<String>], rank: i32) -> Vec<(i32, i32, String)> {
