@@ -507,6 +507,48 @@ fn bad_flags_are_rejected_with_the_flag_named() {
     assert!(stderr(&out).contains("--quantize"));
 }
 
+/// Every count a user gives has a range, and a value outside it is refused before
+/// anything loads, with the flag and the range in the message.
+#[test]
+fn counts_outside_their_range_are_refused_with_the_range() {
+    let model = tiny_model("{}");
+    let m = path_str(model.path());
+    let generate = [
+        "generate",
+        "--target",
+        m,
+        "--prompt",
+        "x",
+        "--drafter",
+        "ngram",
+    ];
+    let bench = ["bench", "--target", m, "--drafter", "ngram"];
+    let score = ["score", "--target", m, "--text", "x"];
+    let cases: [(&[&str], &str, &str, &str); 10] = [
+        (&generate, "--max-draft", "100000", "1 to 64"),
+        (&generate, "--max-draft", "auto:65", "1 to 64"),
+        (&generate, "--max-tokens", "0", "1 to 1000000"),
+        (&generate, "--ngram", "0", "1 to 32"),
+        (&generate, "--top-k", "2000000", "0 to 1000000"),
+        (&bench, "--passes", "0", "1 to 1000"),
+        (&bench, "--prefill-runs", "5000", "0 to 1000"),
+        (&bench, "--prefill-lengths", "1024,0", "1 to 1048576"),
+        (&score, "--window", "1", "2 to 16777216"),
+        (&score, "--top-k", "0", "1 to 1000"),
+    ];
+    for (command, flag, value, range) in cases {
+        let mut args = command.to_vec();
+        args.extend([flag, value]);
+        let out = dspec(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(
+            err.contains(flag) && err.contains(range),
+            "{flag} {value}: {err}"
+        );
+    }
+}
+
 #[test]
 fn ngram_drafter_gives_the_greedy_text_and_reports_tau() {
     let model = tiny_model("{}");
@@ -798,8 +840,10 @@ fn bench_compares_plain_and_speculative_on_the_same_prompts() {
         err.contains("--trace") && err.contains("no such dir"),
         "{err}"
     );
-    let err = bench_fails(&["--passes", "0"]);
-    assert!(err.contains("--passes"), "{err}");
+    // Out of its range, a count is a usage error (exit 2), as any bad flag is.
+    let out = dspec(&bench_args(m, "ngram", &["--passes", "0"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--passes"), "{}", stderr(&out));
 
     // The table, with the default prompts.
     let out = dspec(&[

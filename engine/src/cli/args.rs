@@ -124,6 +124,20 @@ impl ModelArgs {
     }
 }
 
+/// A whole-number flag's parser that refuses values outside `lo..=hi`, naming the range
+/// (clap's own range parsers give `u64`/`i64`, not the `usize` the code counts in).
+pub fn count_in(
+    lo: usize,
+    hi: usize,
+) -> impl Fn(&str) -> std::result::Result<usize, String> + Clone {
+    move |s: &str| match s.trim().parse::<usize>() {
+        Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "expected a whole number from {lo} to {hi}, got {s:?}"
+        )),
+    }
+}
+
 /// How tokens are sampled; shared by `generate` and `bench` (whose help says what it
 /// does with them).
 #[derive(Args)]
@@ -131,8 +145,8 @@ pub struct SamplingArgs {
     /// 0 means greedy decoding.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
+    /// Keep only the k most likely tokens (0 = off; 0 to 1000000).
+    #[arg(long, default_value_t = 0, value_parser = count_in(0, MAX_TOP_K))]
     top_k: usize,
     /// Nucleus sampling mass (1 = off).
     #[arg(long, default_value_t = 1.0)]
@@ -189,12 +203,12 @@ impl SamplingArgs {
 /// How a drafter drafts; shared by `generate` and `bench`.
 #[derive(Args)]
 pub struct DraftTuning {
-    /// Longest n-gram the `ngram` drafter matches.
-    #[arg(long, default_value_t = 3)]
+    /// Longest n-gram the `ngram` drafter matches (1 to 32).
+    #[arg(long, default_value_t = 3, value_parser = count_in(1, 32))]
     ngram: usize,
     /// Tokens drafted per round: N (always N, fewer only near the end), `auto` (chosen
     /// each round, up to 8, from the measured acceptance and draft/verify costs) or
-    /// `auto:N` (the same, up to N).
+    /// `auto:N` (the same, up to N); N from 1 to 64.
     #[arg(long, default_value = "5", value_parser = parse_draft_length)]
     pub max_draft: DraftLengthArg,
     /// Quantize the drafter's weights on load: 4, 8, or 0 for full precision
@@ -270,6 +284,12 @@ pub struct DraftLengthArg {
     pub adaptive: bool,
 }
 
+/// The most `--max-draft` takes.
+const MAX_DRAFT: usize = 64;
+
+/// The largest `--top-k`: beyond every vocabulary, so the same as off.
+const MAX_TOP_K: usize = 1_000_000;
+
 /// Upper bound of `--max-draft auto`: past 8 drafts even a good drafter's later tokens
 /// are rarely kept, and the rows of a verify are not free.
 const AUTO_MAX_DRAFT: usize = 8;
@@ -289,8 +309,10 @@ fn parse_draft_length(s: &str) -> std::result::Result<DraftLengthArg, String> {
         None => (false, s),
     };
     match count.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(max) => Ok(DraftLengthArg { max, adaptive }),
+        Ok(max @ 1..=MAX_DRAFT) => Ok(DraftLengthArg { max, adaptive }),
+        Ok(n) => Err(format!(
+            "{n} drafts a round is outside 1 to {MAX_DRAFT}: later drafts are almost never kept, and a verify's rows are not free"
+        )),
         Err(_) => Err(format!(
             "expected a number of tokens (5), `auto` or `auto:N` (auto:12), got {s:?}"
         )),
@@ -338,9 +360,6 @@ impl DraftTuning {
 
     /// `max_new_tokens`: `--max-tokens`, so a draft model can size its cache once.
     pub fn options(&self, target_dtype: Dtype, max_new_tokens: usize) -> Result<DrafterOptions> {
-        if self.ngram == 0 {
-            bail!("--ngram must be at least 1");
-        }
         if let Some(t) = self.confidence_threshold {
             if !(0.0..=1.0).contains(&t) {
                 bail!("--confidence-threshold must be between 0 and 1, got {t}");

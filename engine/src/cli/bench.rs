@@ -14,7 +14,9 @@ use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 use dspec_engine::text::prompt::PromptEncoder;
 
-use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs};
+use super::args::{
+    count_in, run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs,
+};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -29,12 +31,13 @@ pub struct BenchArgs {
     /// Default: a built-in set (code, chat, a repetitive edit).
     #[arg(long)]
     prompts: Option<PathBuf>,
-    #[arg(long, default_value_t = 128)]
+    /// Tokens generated per prompt and run (1 to 1000000; the context may allow fewer).
+    #[arg(long, default_value_t = 128, value_parser = count_in(1, 1_000_000))]
     max_tokens: usize,
     /// Plain and speculative runs of each prompt, back to back; each row reports the
     /// median run of each, and as speedup the median of the passes' own ratios (decode
-    /// speed moves between runs, on a GPU by more than a drafter's gain).
-    #[arg(long, default_value_t = 3)]
+    /// speed moves between runs, on a GPU by more than a drafter's gain); 1 to 1000.
+    #[arg(long, default_value_t = 3, value_parser = count_in(1, 1000))]
     passes: usize,
     /// Feed prompts as raw text instead of through the model's chat template.
     #[arg(long)]
@@ -43,12 +46,12 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Warm prefills timed per prompt after its first call (reported apart); the median
-    /// is reported. 0 skips prefill measurement.
-    #[arg(long, default_value_t = 3)]
+    /// is reported. 0 skips prefill measurement; at most 1000.
+    #[arg(long, default_value_t = 3, value_parser = count_in(0, 1000))]
     prefill_runs: usize,
     /// Also measure prefill of synthetic prompts of these lengths in tokens (the bench
-    /// prompts' token ids repeated), e.g. 1024,4096,16384.
-    #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
+    /// prompts' token ids repeated), e.g. 1024,4096,16384; each 1 to 1048576.
+    #[arg(long, value_delimiter = ',', value_name = "TOKENS", value_parser = count_in(1, 1 << 20))]
     prefill_lengths: Vec<usize>,
     /// Write one JSON line per round of the timed speculative runs here (as `generate
     /// --trace`): round costs from the same process as the plain runs they compare with.
@@ -73,12 +76,6 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
     let root = group.is_none_or(Distributed::is_root);
     if group.is_some() {
         args.tuning.for_group()?;
-    }
-    if args.max_tokens == 0 {
-        bail!("--max-tokens must be at least 1");
-    }
-    if args.passes == 0 {
-        bail!("--passes must be at least 1");
     }
     if !args.prefill_lengths.is_empty() && args.prefill_runs == 0 {
         bail!("--prefill-lengths needs --prefill-runs of at least 1");

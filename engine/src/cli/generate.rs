@@ -15,7 +15,9 @@ use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 use dspec_engine::text::prompt::encode_prompt;
 
-use super::args::{run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs};
+use super::args::{
+    count_in, run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs,
+};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -36,7 +38,8 @@ pub struct GenerateArgs {
     /// Passed to chat templates that support it (e.g. Qwen3's thinking switch).
     #[arg(long)]
     enable_thinking: Option<bool>,
-    #[arg(long, default_value_t = 256)]
+    /// Most tokens to generate (1 to 1000000; the context may allow fewer).
+    #[arg(long, default_value_t = 256, value_parser = count_in(1, 1_000_000))]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -93,9 +96,6 @@ pub fn run(args: GenerateArgs, plugins: &PluginArgs) -> Result<()> {
 fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distributed>) -> Result<()> {
     let prompt_text = read_prompt(&args)?;
     let mut sampling = args.sampling.params()?;
-    if args.max_tokens == 0 {
-        bail!("--max-tokens must be at least 1");
-    }
     let root = group.is_none_or(Distributed::is_root);
     if group.is_some() {
         args.tuning.for_group()?;

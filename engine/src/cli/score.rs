@@ -14,7 +14,7 @@ use dspec_engine::runtime::Backend;
 use dspec_engine::scoring::batch::{read_requests, render_text, run_requests, ScoreRequest, Sides};
 use dspec_engine::scoring::{Measure, Scorer, ScorerAdapter, Windowing};
 
-use super::args::{ModelArgs, PluginArgs};
+use super::args::{count_in, ModelArgs, PluginArgs};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum MeasureArg {
@@ -48,8 +48,8 @@ pub struct ScoreArgs {
     /// | {"measure": "next-token", "prompt": ..., "k": N}; any line may carry an "id".
     #[arg(long, value_name = "FILE", conflicts_with_all = ["measure", "prompt", "completion", "text"])]
     input: Option<PathBuf>,
-    /// Tokens listed by next-token (and its default for JSONL lines without "k").
-    #[arg(long, default_value_t = 10)]
+    /// Tokens listed by next-token (and its default for JSONL lines without "k"); 1 to 1000.
+    #[arg(long, default_value_t = 10, value_parser = count_in(1, 1000))]
     top_k: usize,
     /// LoRA adapter directory: PEFT (adapter_config.json + adapter_model.safetensors) or
     /// MLX-LM (adapter_config.json + adapters.safetensors). Scores the adapted model.
@@ -61,11 +61,12 @@ pub struct ScoreArgs {
     /// Merge the adapter into the weights at load (faster; no base scores).
     #[arg(long, requires = "lora")]
     fuse: bool,
-    /// Tokens per window for texts longer than this (default: the model's context).
-    #[arg(long)]
+    /// Tokens per window for texts longer than this (default: the model's context);
+    /// 2 to 16777216.
+    #[arg(long, value_parser = count_in(2, 1 << 24))]
     window: Option<usize>,
-    /// Tokens between window starts (default: half the window).
-    #[arg(long)]
+    /// Tokens between window starts (default: half the window); 1 to the window.
+    #[arg(long, value_parser = count_in(1, 1 << 24))]
     stride: Option<usize>,
     /// Print one JSON object with every result and the run's statistics.
     #[arg(long)]

@@ -17,23 +17,18 @@ pub enum TokenizerError {
         .path.display()
     )]
     MissingTokenizerJson { path: PathBuf },
-    #[error("{}: cannot read: {source}", .path.display())]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    #[error("{}: cannot read: {cause}", .path.display())]
+    Read { path: PathBuf, cause: io::Error },
     #[error(
         "{}: the tokenizers library cannot load it ({message}); re-save it with a recent \
          transformers/tokenizers",
         .path.display()
     )]
     Load { path: PathBuf, message: String },
-    #[error("{}: not valid JSON: {source}", .path.display())]
+    #[error("{}: not valid JSON: {cause}", .path.display())]
     Json {
         path: PathBuf,
-        #[source]
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
     #[error("{}: field `{field}`: {message}", .path.display())]
     Field {
@@ -115,7 +110,7 @@ impl TextTokenizer {
             Some(
                 fs::read_to_string(&jinja_path).map_err(|source| TokenizerError::Read {
                     path: jinja_path.clone(),
-                    source,
+                    cause: source,
                 })?,
             )
         } else {
@@ -289,13 +284,13 @@ fn read_optional_json(path: &Path) -> Result<Option<Json>, TokenizerError> {
     }
     let text = fs::read_to_string(path).map_err(|source| TokenizerError::Read {
         path: path.to_path_buf(),
-        source,
+        cause: source,
     })?;
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|source| TokenizerError::Json {
             path: path.to_path_buf(),
-            source,
+            cause: source,
         })
 }
 

@@ -25,10 +25,10 @@ pub enum ConvertError {
     UnsupportedArchitecture { arch: String, supported: String },
     #[error("{0}")]
     Invalid(String),
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("MLX error: {0}")]
     Mlx(String),
@@ -73,7 +73,10 @@ fn write_json(dir: &Path, name: &str, value: &serde_json::Value) -> Result<(), C
     let path = dir.join(name);
     let text =
         serde_json::to_string_pretty(value).map_err(|e| ConvertError::Invalid(e.to_string()))?;
-    std::fs::write(&path, text).map_err(|source| ConvertError::Io { path, source })
+    std::fs::write(&path, text).map_err(|source| ConvertError::Io {
+        path,
+        cause: source,
+    })
 }
 
 /// Converts `gguf` into `out_dir` (created; must not hold a model already).
@@ -93,7 +96,7 @@ pub fn convert_gguf(
     }
     std::fs::create_dir_all(out_dir).map_err(|source| ConvertError::Io {
         path: out_dir.to_path_buf(),
-        source,
+        cause: source,
     })?;
 
     let embd = g
@@ -197,7 +200,10 @@ pub fn convert_gguf(
     for (i, written) in shard_files.iter().enumerate() {
         total_size += std::fs::metadata(written).map_or(0, |m| m.len());
         let path = out_dir.join(final_name(i));
-        std::fs::rename(written, &path).map_err(|source| ConvertError::Io { path, source })?;
+        std::fs::rename(written, &path).map_err(|source| ConvertError::Io {
+            path,
+            cause: source,
+        })?;
     }
     if count > 1 {
         let weight_map: serde_json::Map<String, serde_json::Value> = weight_map

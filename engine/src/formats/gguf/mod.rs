@@ -21,10 +21,10 @@ const MAX_ARRAY_DEPTH: usize = 8;
 /// Everything that can go wrong reading a GGUF file; each error names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("{}: {source}", .path.display())]
+    #[error("{}: {cause}", .path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{}: not a GGUF file (starts with {found:02x?}, expected \"GGUF\")", .path.display())]
     BadMagic { path: PathBuf, found: Vec<u8> },
@@ -406,7 +406,7 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
         let io_err = |source| GgufError::Io {
             path: path.to_path_buf(),
-            source,
+            cause: source,
         };
         let file = File::open(path).map_err(io_err)?;
         let len = file.metadata().map_err(io_err)?.len();
