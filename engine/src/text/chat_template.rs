@@ -90,6 +90,10 @@ impl std::fmt::Debug for ChatTemplate {
     }
 }
 
+/// Template instructions one render may run: hundreds of times what a real template
+/// needs for a long conversation with tools, and a second or two of work at most.
+const TEMPLATE_FUEL: u64 = 5_000_000;
+
 impl ChatTemplate {
     pub fn new(
         source: &str,
@@ -110,6 +114,9 @@ impl ChatTemplate {
             .map_err(compile_error)?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // A template comes with a downloaded model: one that loops without end (nested
+        // ranges, say) must fail, not hold the process.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
@@ -169,6 +176,11 @@ impl ChatTemplate {
             .render(Value::from(context))
             .map_err(|e| match raised_message(&e) {
                 Some(message) => ChatTemplateError::Raised { message },
+                None if e.kind() == ErrorKind::OutOfFuel => ChatTemplateError::Render {
+                    message: format!(
+                        "it ran more than {TEMPLATE_FUEL} steps without finishing (a loop without end?); fix the template or pass --no-chat-template"
+                    ),
+                },
                 None => ChatTemplateError::Render {
                     message: e.to_string(),
                 },
@@ -560,6 +572,31 @@ mod tests {
 
     fn no_extra() -> serde_json::Map<String, serde_json::Value> {
         serde_json::Map::new()
+    }
+
+    /// A template that would loop for hours runs out of its steps and says so, and a
+    /// long conversation through a real template stays far inside them.
+    #[test]
+    fn a_template_that_never_ends_is_stopped() {
+        let endless = ChatTemplate::new(
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let err = endless
+            .render(&messages(&[("user", "hi")]), true, &no_extra())
+            .unwrap_err();
+        assert!(err.to_string().contains("loop without end"), "{err}");
+        let long: Vec<(&str, &str)> = (0..2000)
+            .map(|i| match i % 2 {
+                0 => ("user", "a question of a few words"),
+                _ => ("assistant", "an answer of a few words"),
+            })
+            .collect();
+        let qwen = ChatTemplate::new(QWEN25, None, Some("<|im_end|>")).unwrap();
+        let text = qwen.render(&messages(&long), true, &no_extra()).unwrap();
+        assert!(text.matches("<|im_start|>").count() > 2000);
     }
 
     /// Qwen2.5-Instruct's template as published on the hub.
