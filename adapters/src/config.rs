@@ -172,6 +172,31 @@ impl CommonConfig {
                 format!("`{name}` must be positive, got {value}"),
             ));
         }
+        // Values no model can have: each would make every logit NaN or infinite, and
+        // generation would go on silently with garbage.
+        let (theta, _) = self.rope();
+        let floats = [
+            (
+                "rms_norm_eps",
+                self.rms_norm_eps,
+                "a small positive number such as 1e-6",
+            ),
+            ("rope_theta", theta, "a positive base such as 10000"),
+        ];
+        if let Some((name, value, hint)) =
+            floats.iter().find(|(_, v, _)| !(v.is_finite() && *v > 0.0))
+        {
+            return Err(ModelError::config(
+                path,
+                format!("`{name}` is {value}, which no model can use; it must be {hint}"),
+            ));
+        }
+        if let Some(window) = self.sliding_window.filter(|w| *w <= 0) {
+            return Err(ModelError::config(
+                path,
+                format!("`sliding_window` must be positive, got {window}"),
+            ));
+        }
         if self.num_attention_heads % self.kv_heads() != 0 {
             return Err(ModelError::config(
                 path,

@@ -507,6 +507,41 @@ fn bad_flags_are_rejected_with_the_flag_named() {
     assert!(stderr(&out).contains("--quantize"));
 }
 
+/// Config values no model can have are refused at load, naming config.json and the
+/// field, where they would otherwise give NaN logits and empty text with exit 0.
+#[test]
+fn configs_that_cannot_work_are_refused_at_load() {
+    for (overrides, field) in [
+        (r#"{"rope_theta": 0}"#, "rope_theta"),
+        (r#"{"rope_theta": -10000}"#, "rope_theta"),
+        (r#"{"rms_norm_eps": 0}"#, "rms_norm_eps"),
+        (r#"{"rms_norm_eps": -1e-6}"#, "rms_norm_eps"),
+        (r#"{"num_attention_heads": 0}"#, "num_attention_heads"),
+        (r#"{"num_key_value_heads": 3}"#, "num_key_value_heads"),
+    ] {
+        let model = tiny_model("{}");
+        let config_path = model.path().join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+        let changes: serde_json::Value = serde_json::from_str(overrides).unwrap();
+        for (key, value) in changes.as_object().unwrap() {
+            config[key] = value.clone();
+        }
+        std::fs::write(&config_path, config.to_string()).unwrap();
+        let err = dspec_fails(&[
+            "generate",
+            "--target",
+            path_str(model.path()),
+            "--prompt",
+            "x",
+        ]);
+        assert!(
+            err.contains("config.json") && err.contains(field),
+            "{overrides}: {err}"
+        );
+    }
+}
+
 /// Every count a user gives has a range, and a value outside it is refused before
 /// anything loads, with the flag and the range in the message.
 #[test]
