@@ -367,13 +367,14 @@ impl HybridDecoder {
                 eps,
                 style,
             )?;
-            let mlp = GatedMlp::load(
+            let mlp = GatedMlp::load_parallel(
                 w,
                 &format!("{lp}.mlp"),
                 h,
                 spec.intermediate_size,
                 false,
                 spec.activation,
+                None,
             )?;
             layers.push(HybridLayer {
                 mixer,

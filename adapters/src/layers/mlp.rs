@@ -40,19 +40,8 @@ impl GatedMlp {
         self.down.use_short_kernels(on)
     }
 
-    pub fn load(
-        w: &mut dyn WeightSource,
-        prefix: &str,
-        hidden: i32,
-        inner: i32,
-        bias: bool,
-        act: Activation,
-    ) -> Result<Self> {
-        Self::load_parallel(w, prefix, hidden, inner, bias, act, None)
-    }
-
-    /// [`GatedMlp::load`] of this rank's share of the hidden units under `tp`: gate and
-    /// up column-parallel, down row-parallel (one all-sum).
+    /// Loads `prefix.{gate,up,down}_proj`, or under `tp` this rank's share of the hidden
+    /// units: gate and up column-parallel, down row-parallel (one all-sum).
     pub fn load_parallel(
         w: &mut dyn WeightSource,
         prefix: &str,
