@@ -611,8 +611,8 @@ impl Attention {
         // A block is not causal: its positions never attend one by one.
         let out = if rows || (!block && attends_position_by_position(offset, len, mask)) {
             // One call per position, each as a one-token step makes it: MLX's attention
-            // computes several causal queries differently from one, on CUDA (0.32.2,
-            // scripts/gpu_rowwise_check.py shows it) and on the CPU. The last position
+            // computes several causal queries differently from one, on CUDA and on the
+            // CPU (docs/verify-numerics.md). The last position
             // sees every key: its keys and values need no slice (a graph node is host time
             // on a GPU).
             let upto = |a: &Array, row: i32| match row + 1 {

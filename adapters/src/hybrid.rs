@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::{broadcast_to, concatenate, zeros_dtype};
+use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 use serde::Deserialize;
 
@@ -24,15 +24,14 @@ use dspec_plugin_api::{
 use dspec_runtime::slicing::slice_axis;
 
 use crate::attention::{
-    attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention,
-    AttentionSpec, Mask, WHOLE_BUFFER_MAX_TOKENS,
+    attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
 };
 use crate::config::CommonConfig;
+use crate::continuation::ContinuationLayout;
 use crate::gated_delta::{
     read_conv_weight, CheckpointLayout, DeltaNetSpec, GatedDeltaNet, ProjectionLayout,
 };
 use crate::layers::{Activation, Embedding, GatedMlp, Linear, RmsNorm, Rope};
-use crate::transformer::MAX_ROWWISE_TOKENS;
 
 /// States a recurrent layer keeps for rolling back until the engine says how many it
 /// needs ([`ModelCache::set_rollback_window`]): enough for `--max-draft auto`'s 8
@@ -368,13 +367,14 @@ impl HybridDecoder {
                 eps,
                 style,
             )?;
-            let mlp = GatedMlp::load(
+            let mlp = GatedMlp::load_parallel(
                 w,
                 &format!("{lp}.mlp"),
                 h,
                 spec.intermediate_size,
                 false,
                 spec.activation,
+                None,
             )?;
             layers.push(HybridLayer {
                 mixer,
@@ -448,26 +448,15 @@ impl TargetModel for HybridDecoder {
         check_forward_args(tokens, cache, taps, self.layers.len())?;
         let offset = cache.checked_offset()? as i32;
         let asked = tokens.shape()[1];
-        // A short continuation runs in the row layout (`rowwise_verify`), or, on CUDA,
-        // over the whole cache buffer padded to one width, as the plain decoder runs it
-        // (transformer.rs). The padding is for attention's sake only: the linear-attention
-        // layers see the real positions alone (their state never takes in a pad) and
-        // hand zeros on for the padded ones, whose outputs are cut and whose keys and
-        // values are trimmed below; a pad cannot change a real position, all of which
-        // come before it.
-        let rows = self.rowwise_verify && offset > 0 && asked > 1 && asked <= MAX_ROWWISE_TOKENS;
-        let over_whole_buffer = !rows && self.whole_buffer && is_short_continuation(offset, asked);
-        let pad = if over_whole_buffer {
-            WHOLE_BUFFER_MAX_TOKENS - asked
-        } else {
-            0
-        };
-        let tokens = if pad > 0 {
-            let last = tokens.try_index((.., asked - 1..))?;
-            concatenate(&[tokens.clone(), broadcast_to(&last, &[1, pad])?], 1)?
-        } else {
-            tokens.clone()
-        };
+        // A short continuation runs as the plain decoder runs it ([`ContinuationLayout`]).
+        // The padding is for attention's sake only: the linear-attention layers see the
+        // real positions alone (their state never takes in a pad) and hand zeros on for
+        // the padded ones, whose outputs are cut and whose keys and values are trimmed
+        // below; a pad cannot change a real position, all of which come before it.
+        let layout =
+            ContinuationLayout::choose(offset, asked, self.rowwise_verify, self.whole_buffer);
+        let (rows, over_whole_buffer, pad) = (layout.rows, layout.over_whole_buffer, layout.pad);
+        let tokens = layout.padded(tokens)?;
         let len = asked + pad;
         let hidden_size = self.info.hidden_size as i32;
         let mut h = self.embed(&tokens)?;
@@ -718,8 +707,8 @@ mod tests {
 
     /// Half-precision activations (weights cast on load, `A_log` kept f32, the recurrence
     /// in f32) run through a chunked prefill and stepped decoding and stay near f32. The
-    /// bound is loose: on the golden checkpoints bf16 moves transformers' logits by up to
-    /// 2% of their range and dspec's by up to 3%, and this random model is touchier.
+    /// bound is loose: on the golden checkpoints bf16 moves transformers' logits and dspec's
+    /// by a few percent of their range, and this random model is touchier.
     #[test]
     fn bf16_stays_close_to_f32() {
         let dir = tempfile::tempdir().expect("temp dir");

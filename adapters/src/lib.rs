@@ -5,13 +5,15 @@
 //!
 //! Modules depend one way: [`layers`] ← [`attention`] ← [`transformer`] ← [`config`] ←
 //! the family files and [`lora`]; [`layers`] ← [`gated_delta`] ← [`hybrid`] ← the hybrid
-//! family files (`qwen3_5`, `qwen3_next`); [`weights`] (the safetensors loader) sits
+//! family files (`qwen3_5`, `qwen3_next`); [`continuation`] (how a verify's positions are
+//! laid out) sits between [`attention`] and both decoders; [`weights`] (the safetensors loader) sits
 //! under `config` and `lora`; [`tensor_parallel`] splits [`transformer`]'s decoder
 //! across an MLX distributed group; [`cuda`] (dspec's CUDA kernels for short
 //! continuations) sits under [`layers`] and [`attention`].
 
 pub mod attention;
 pub mod config;
+pub mod continuation;
 pub mod cuda;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod fixtures;

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
+use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::ops::{broadcast_to, concatenate};
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::Result;
@@ -12,9 +12,10 @@ use dspec_plugin_api::target::{check_forward_args, TapCollector};
 use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
 use crate::attention::{
-    attention_mask, is_short_continuation, whole_buffer_mask, whole_buffer_pays, Attention,
-    AttentionSpec, Mask, WHOLE_BUFFER_MAX_TOKENS,
+    attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
+    WHOLE_BUFFER_MAX_TOKENS,
 };
+use crate::continuation::ContinuationLayout;
 use crate::cuda;
 use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
 use crate::tensor_parallel::TensorParallel;
@@ -224,10 +225,6 @@ fn step_weight_bytes(spec: &DecoderSpec, bytes_per_weight: f64) -> f64 {
 /// past a few pieces one forward is cheaper than the plan it saves.
 pub const SHORT_PROMPT_MAX_TOKENS: i32 = 8 * WHOLE_BUFFER_MAX_TOKENS;
 
-/// Longest continuation run in the row layout; longer ones (a second chat turn, say)
-/// take the batched path, whose per-token cost is far lower.
-pub const MAX_ROWWISE_TOKENS: i32 = 32;
-
 impl Decoder {
     pub fn load(spec: DecoderSpec, w: &mut dyn WeightSource) -> Result<Self> {
         Self::load_parallel(spec, w, None)
@@ -342,27 +339,17 @@ impl Decoder {
         let offset = cache.offset() as i32;
         let asked = tokens.shape()[1];
         // A short continuation of a cached sequence (a speculative verify) runs in the
-        // row layout, each position through the one-token kernels: see `is_row_layout`.
-        let rows = self.rowwise_verify && offset > 0 && asked > 1 && asked <= MAX_ROWWISE_TOKENS;
-        // Or over the whole cache buffer, padded to the longest such continuation
-        // (repeats of its last token, after the real ones so they change nothing before
-        // them): see `whole_buffer_pays`. The padding's outputs are cut and its cache
-        // positions trimmed below.
-        let over_whole_buffer = !rows
-            && self.whole_buffer
-            && is_short_continuation(offset, asked)
-            && !(self.short_kernels && asked <= cuda::MAX_ROWS);
-        let pad = if over_whole_buffer {
-            WHOLE_BUFFER_MAX_TOKENS - asked
-        } else {
-            0
-        };
-        let tokens = if pad > 0 {
-            let last = tokens.try_index((.., asked - 1..))?;
-            concatenate(&[tokens.clone(), broadcast_to(&last, &[1, pad])?], 1)?
-        } else {
-            tokens.clone()
-        };
+        // row layout or over the whole cache buffer, padded; the padding's outputs are
+        // cut and its cache positions trimmed below. Continuations dspec's CUDA kernels
+        // take stay unpadded: those kernels are built for their own width.
+        let layout = ContinuationLayout::choose(
+            offset,
+            asked,
+            self.rowwise_verify,
+            self.whole_buffer && !(self.short_kernels && asked <= cuda::MAX_ROWS),
+        );
+        let (rows, over_whole_buffer, pad) = (layout.rows, layout.over_whole_buffer, layout.pad);
+        let tokens = layout.padded(tokens)?;
         let len = asked + pad;
         let hidden_size = self.info.hidden_size as i32;
         let as_sequence = |x: &Array| -> Result<Array> {

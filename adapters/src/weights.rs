@@ -8,9 +8,14 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use mlx_rs::{Array, Dtype};
+use safetensors::tensor::Metadata;
 
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{LoadOptions, LoadRequest, Part, WeightSource};
+
+/// Longest header read, as the safetensors format bounds it: a longer one is a corrupt
+/// length, not a header to allocate.
+const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
 
 fn is_float(dtype: Dtype) -> bool {
     matches!(
@@ -22,8 +27,8 @@ fn is_float(dtype: Dtype) -> bool {
 /// A tensor's entry in a safetensors header.
 #[derive(Debug, Clone)]
 struct HeaderEntry {
-    dtype: String,
-    shape: Vec<i64>,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
     /// Byte offset of the tensor's data in its file.
     offset: u64,
 }
@@ -31,6 +36,11 @@ struct HeaderEntry {
 /// Reads and checks a safetensors header without loading data: every tensor's byte
 /// range must lie inside the file and match its dtype and shape. MLX loads lazily and
 /// would otherwise fail (or read garbage) only when a truncated tensor is first used.
+///
+/// The `safetensors` crate parses and validates the header (offsets contiguous, sizes
+/// matching dtype and shape). Only the 8-byte length and the header are read here and
+/// handed to it: its `read_metadata` wants the whole file in memory, which for a
+/// checkpoint of many gigabytes would be all of it read (or mapped) just to check.
 fn read_header(path: &Path) -> Result<BTreeMap<String, HeaderEntry>> {
     let corrupt = |reason: String| ModelError::CorruptWeights {
         path: path.to_path_buf(),
@@ -46,62 +56,30 @@ fn read_header(path: &Path) -> Result<BTreeMap<String, HeaderEntry>> {
     file.read_exact(&mut len_bytes)
         .map_err(|_| corrupt("shorter than its 8-byte header length".into()))?;
     let header_len = u64::from_le_bytes(len_bytes);
-    if header_len > 100 * 1024 * 1024 || 8 + header_len > file_len {
+    if header_len > MAX_HEADER_BYTES || 8 + header_len > file_len {
         return Err(corrupt(format!(
             "header length {header_len} does not fit in a {file_len}-byte file"
         )));
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(io)?;
-    let parsed: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| corrupt(format!("header is not JSON: {e}")))?;
+    let metadata: Metadata = serde_json::from_slice(&header)
+        .map_err(|e| corrupt(format!("header is not a valid safetensors header: {e}")))?;
     let data_len = file_len - 8 - header_len;
     let mut entries = BTreeMap::new();
-    for (name, info) in parsed {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = info["dtype"].as_str().unwrap_or_default().to_string();
-        let shape: Vec<i64> = info["shape"]
-            .as_array()
-            .map(|dims| dims.iter().filter_map(|d| d.as_i64()).collect())
-            .ok_or_else(|| corrupt(format!("tensor `{name}` has no shape")))?;
-        let offsets: Vec<u64> = info["data_offsets"]
-            .as_array()
-            .map(|o| o.iter().filter_map(|d| d.as_u64()).collect())
-            .unwrap_or_default();
-        let [start, end] = offsets[..] else {
-            return Err(corrupt(format!("tensor `{name}` has no data_offsets")));
-        };
-        if end < start || end > data_len {
+    for (name, info) in metadata.tensors() {
+        let (start, end) = info.data_offsets;
+        if end as u64 > data_len {
             return Err(corrupt(format!(
                 "tensor `{name}` ends at byte {end} but the file holds {data_len} data bytes (truncated?)"
             )));
         }
-        let elem_bits: u64 = match dtype.as_str() {
-            "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 8,
-            "U16" | "I16" | "F16" | "BF16" => 16,
-            "U32" | "I32" | "F32" => 32,
-            "U64" | "I64" | "F64" => 64,
-            _ => 0,
+        let entry = HeaderEntry {
+            dtype: info.dtype,
+            shape: info.shape.clone(),
+            offset: 8 + header_len + start as u64,
         };
-        let numel: u64 = shape.iter().map(|&d| d.max(0) as u64).product();
-        if elem_bits > 0 && numel * elem_bits / 8 != end - start {
-            return Err(corrupt(format!(
-                "tensor `{name}` ({dtype}, shape {shape:?}) should take {} bytes but has {}",
-                numel * elem_bits / 8,
-                end - start
-            )));
-        }
-        let offset = 8 + header_len + start;
-        entries.insert(
-            name,
-            HeaderEntry {
-                dtype,
-                shape,
-                offset,
-            },
-        );
+        entries.insert(name, entry);
     }
     Ok(entries)
 }
@@ -169,7 +147,7 @@ fn load_file(
     })?;
     for (name, array) in arrays {
         if let Some(entry) = header.get(&name) {
-            let stored: Vec<i64> = array.shape().iter().map(|&d| d as i64).collect();
+            let stored: Vec<usize> = array.shape().iter().map(|&d| d as usize).collect();
             if stored != entry.shape {
                 return Err(ModelError::CorruptWeights {
                     path: file.to_path_buf(),
@@ -188,16 +166,17 @@ fn load_file(
     Ok(())
 }
 
-/// MLX's dtype for a safetensors dtype name, for the types read part by part.
-fn stored_dtype(name: &str) -> Option<(Dtype, usize)> {
-    Some(match name {
-        "F32" => (Dtype::Float32, 4),
-        "F16" => (Dtype::Float16, 2),
-        "BF16" => (Dtype::Bfloat16, 2),
-        "U32" => (Dtype::Uint32, 4),
-        "I32" => (Dtype::Int32, 4),
-        "U8" => (Dtype::Uint8, 1),
-        "I8" => (Dtype::Int8, 1),
+/// MLX's dtype for a safetensors dtype, for the types read part by part.
+fn stored_dtype(dtype: safetensors::Dtype) -> Option<(Dtype, usize)> {
+    use safetensors::Dtype as Stored;
+    Some(match dtype {
+        Stored::F32 => (Dtype::Float32, 4),
+        Stored::F16 => (Dtype::Float16, 2),
+        Stored::BF16 => (Dtype::Bfloat16, 2),
+        Stored::U32 => (Dtype::Uint32, 4),
+        Stored::I32 => (Dtype::Int32, 4),
+        Stored::U8 => (Dtype::Uint8, 1),
+        Stored::I8 => (Dtype::Int8, 1),
         _ => return None,
     })
 }
@@ -376,7 +355,7 @@ impl Weights {
         let readable = self
             .layout
             .get(name)
-            .and_then(|entry| stored_dtype(&entry.dtype).map(|(d, elem)| (entry, d, elem)));
+            .and_then(|entry| stored_dtype(entry.dtype).map(|(d, elem)| (entry, d, elem)));
         let array = match readable {
             // Dropping `whole` unevaluated means MLX never reads the rest of the tensor.
             Some((entry, dtype, elem)) => read_part(&file, name, entry, dtype, elem, part)?,
@@ -546,5 +525,47 @@ mod tests {
                 .expect_err("32 rows over 3");
             assert!(err.to_string().contains("3 equal parts"), "{err}");
         }
+    }
+
+    /// A header is checked before MLX reads any data: a truncated file names the tensor
+    /// cut short, a header whose sizes disagree with its shapes or whose length does
+    /// not fit the file is reported as corrupt, and a sound file's entries point at
+    /// their data.
+    #[test]
+    fn headers_are_checked_before_any_data_is_read() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let write = |name: &str, header: &str, data: usize| {
+            let path = dir.path().join(name);
+            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+            bytes.extend(header.as_bytes());
+            bytes.resize(bytes.len() + data, 0);
+            std::fs::write(&path, bytes).expect("write");
+            path
+        };
+        let header = r#"{"__metadata__":{"format":"mlx"},"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},"b":{"dtype":"BF16","shape":[4],"data_offsets":[24,32]}}"#;
+        let sound = read_header(&write("sound.safetensors", header, 32)).expect("sound");
+        assert_eq!(sound.len(), 2);
+        let b = &sound["b"];
+        assert_eq!(
+            (b.dtype, b.shape.clone()),
+            (safetensors::Dtype::BF16, vec![4])
+        );
+        assert_eq!(b.offset, 8 + header.len() as u64 + 24);
+
+        let cut = read_header(&write("cut.safetensors", header, 30)).expect_err("truncated");
+        let cut = cut.to_string();
+        assert!(cut.contains("`b`") && cut.contains("truncated"), "{cut}");
+
+        let wrong = header.replace("[2,3]", "[2,4]");
+        let err = read_header(&write("sizes.safetensors", &wrong, 32)).expect_err("bad size");
+        assert!(matches!(err, ModelError::CorruptWeights { .. }), "{err}");
+
+        let garbage = dir.path().join("garbage.safetensors");
+        std::fs::write(&garbage, b"definitely not safetensors").expect("write");
+        let err = read_header(&garbage).expect_err("garbage").to_string();
+        assert!(
+            err.contains("garbage.safetensors") && err.contains("not a valid safetensors"),
+            "{err}"
+        );
     }
 }

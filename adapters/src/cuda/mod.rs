@@ -2,12 +2,11 @@
 //! [`MAX_ROWS`] positions): a product of a few rows with a dense weight ([`product`])
 //! and causal attention of a few queries over the KV cache ([`attention`]).
 //!
-//! Why: in MLX 0.32.2's CUDA backend a product of more than one row goes to cuBLASLt,
+//! Why: in MLX's CUDA backend a product of more than one row goes to cuBLASLt,
 //! whose matmul MLX sets up and captures into its CUDA graph on every call, and
 //! attention of more than one query with a mask goes to cuDNN, likewise captured. Each
-//! such call costs the host tens of microseconds more than a kernel node
-//! (`scripts/gpu_graph_reuse.py`), and a model whose step is host-bound (1.5B on an
-//! H100) paid that on every layer of every verify. These kernels are plain kernel nodes,
+//! such call costs the host more than a kernel node (docs/benchmarks.md), and a model
+//! whose step is host-bound paid that on every layer of every verify. These kernels are plain kernel nodes,
 //! compiled once per process by NVRTC through MLX's `fast::cuda_kernel`.
 //!
 //! They pay where a decode step is host-bound. Where the device is the bottleneck,
