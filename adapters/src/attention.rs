@@ -10,7 +10,7 @@ use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select, softmax_axi
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::{KvCache, ModelCache, WeightSource};
+use dspec_plugin_api::{KvCache, WeightSource};
 use dspec_runtime::slicing::slice_axis;
 use dspec_runtime::Backend;
 
@@ -142,38 +142,10 @@ fn gated(out: Array, gate: Option<Array>) -> Result<Array> {
     })
 }
 
-/// Longest continuation of a cached sequence that attends over the whole cache buffer;
-/// shorter ones run padded to it, so that a backend that builds a plan per query length
-/// (cuDNN on CUDA) builds one per capacity, not one per verify width and catch-up
-/// length. On CUDA a short forward's cost barely depends on its width, while each new
-/// plan costs as much as dozens of decode steps (docs/benchmarks.md).
-pub const WHOLE_BUFFER_MAX_TOKENS: i32 = 32;
-
-/// Whether attention over the whole cache buffer pays on this backend, for a short
-/// continuation of a cached sequence (a speculative verify, typically: see
-/// [`is_short_continuation`]), over MLX's causal mode on the written keys.
-///
-/// Only on CUDA, where MLX 0.32.2 runs attention for more than one query through
-/// cuDNN and builds a cuDNN graph per distinct (query length, key length, strides):
-/// with the key length growing by the kept tokens every round, each verify paid a
-/// graph build. Over the whole buffer the key length is the capacity, which changes
-/// rarely ([`KvCache::capacity_for`]), so the graphs are built once per width and
-/// capacity (what that saves: docs/benchmarks.md, "Where the time goes on CUDA").
-/// Metal's and the CPU's attention build nothing per length, and there the unwritten
-/// part of the buffer would only be read for nothing.
-pub fn whole_buffer_pays() -> bool {
-    Backend::current() == Backend::Cuda
-}
-
-/// Sizes `cache` once for a generation that may reach `positions` positions, where
-/// buffer lengths cost ([`whole_buffer_pays`]): each one means new attention plans for
-/// the continuations over the whole buffer. The slack covers the last continuation's
-/// padding and a draft model drafting ahead of what was asked.
-pub fn reserve_for_generation(cache: &mut ModelCache, positions: usize) {
-    if whole_buffer_pays() {
-        cache.reserve(positions + 2 * WHOLE_BUFFER_MAX_TOKENS as usize);
-    }
-}
+// What a generation reserves and how long a continuation over the whole buffer may be
+// are the cache contract's (plugin-api), so the engine reaches them through it; they are
+// re-exported here for the layers that pad to them.
+pub use dspec_plugin_api::cache::{whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS};
 
 /// Whether a short continuation after the cache (a verify: `len` positions after `offset`
 /// cached ones, under a causal or window mask) attends one position at a time, each as a

@@ -29,9 +29,7 @@ use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
 use mlx_rs::ops::{concatenate, eq, sum};
 use mlx_rs::{Array, Dtype};
 
-use dspec_adapters::attention::{
-    reserve_for_generation, whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS,
-};
+use dspec_adapters::attention::{whole_buffer_pays, WHOLE_BUFFER_MAX_TOKENS};
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{Agreement, DraftAhead, ModelCache, TargetModel};
 
@@ -574,7 +572,7 @@ impl Chain {
             self.cache = self.model.new_cache();
             self.cache.set_rollback_window(ROLLBACK_WINDOW);
             if let Some(room) = self.max_new_tokens {
-                reserve_for_generation(&mut self.cache, len + room);
+                self.cache.reserve_for_generation(len + room);
             }
             return Ok(0);
         }
@@ -631,7 +629,7 @@ impl Chain {
             self.cache.set_rollback_window(ROLLBACK_WINDOW);
         }
         if let Some(room) = self.max_new_tokens {
-            reserve_for_generation(&mut self.cache, prompt.len() + room);
+            self.cache.reserve_for_generation(prompt.len() + room);
         }
         // After a kept prefix the rest is a continuation over the cache: read in pieces
         // that attend over the whole buffer, as catching up does, where a forward of its

@@ -25,10 +25,10 @@ use crate::decoding::generate::{
 };
 use crate::decoding::round_cost::{median, RoundCost};
 use crate::decoding::sampling::SamplingParams;
+use crate::decoding::speculative::VerifyAheadMode;
 use crate::decoding::speculative::{
-    generate_speculative, Speculation, SpeculativeOutput, SpeculativeStats,
+    generate_speculative, ServingOptions, Speculation, SpeculativeOutput, SpeculativeStats,
 };
-use crate::decoding::verify_ahead::VerifyAheadMode;
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
 
@@ -311,7 +311,15 @@ pub fn run_bench(
             trace: trace.map(|t| t as &mut dyn Write),
             verify_ahead,
         };
-        generate_speculative(model, tokenizer, prompt, config, speculation, &mut |_| {})
+        generate_speculative(
+            model,
+            tokenizer,
+            prompt,
+            config,
+            speculation,
+            &mut |_| {},
+            ServingOptions::default(),
+        )
     };
     if let Some(first) = prompts.first() {
         let warm = GenerationConfig {

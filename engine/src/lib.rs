@@ -1,9 +1,10 @@
 //! dspec's engine: everything between a model directory on disk and streamed text —
 //! resolving and loading targets, tokenization and chat templates, sampling, the decode loops.
 //!
-//! Laid out by concern: `loading` (a `--target` to a loaded model and tokenizer, plugins),
-//! `text` (tokenizer, chat template, streaming detokenization, stop strings), `decoding`
-//! (plain and speculative decoding, sampling, acceptance, draft lengths, drafters),
+//! Laid out by concern: `loading` (a `--target` to a loaded model and tokenizer, plugins,
+//! `--drafter` to a drafter), `text` (tokenizer, chat template, streaming detokenization,
+//! stop strings), `decoding` (plain and speculative decoding, sampling, acceptance, draft
+//! lengths),
 //! `scoring` (log-probabilities), `serve` (the OpenAI-compatible server), `bench`, and
 //! `formats` (GGUF reading and conversion, used only by `dspec convert`); `runtime` and
 //! `cpu_blas` say what this process runs on. The command line is the binary's `cli`

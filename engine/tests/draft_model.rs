@@ -2,10 +2,10 @@
 //! plain greedy output whatever the draft model proposes; `--drafter` resolution and
 //! its errors.
 
-use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
+use dspec_engine::decoding::speculative::{generate_speculative, ServingOptions, Speculation};
+use dspec_engine::loading::drafting::load_drafter;
 use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{DraftAhead, Drafter, DrafterOptions, LoadOptions};
@@ -69,6 +69,7 @@ fn assert_same_as_greedy(
             verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
+        ServingOptions::default(),
     )
     .unwrap();
     assert_eq!(spec.tokens, plain.tokens, "prompt {prompt:?}");
@@ -177,6 +178,7 @@ fn auto_rounds_with_a_failing_draft_model_keep_the_greedy_output() {
                 verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap();
         assert_eq!(spec.tokens, plain.tokens, "{ahead:?}");

@@ -10,10 +10,10 @@ use mlx_rs::Array;
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::decoding::generate::logits_to_host;
 use dspec_engine::decoding::logprobs::TokenLogprob;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
 use dspec_engine::decoding::speculative::{
-    generate_speculative_serving, ServingOptions, Speculation, SpeculativeOutput,
+    generate_speculative, ServingOptions, Speculation, SpeculativeOutput,
 };
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, TargetModel, TokenPicker};
@@ -33,7 +33,7 @@ fn run(
     rounds: &mut Vec<Vec<TokenLogprob>>,
 ) -> SpeculativeOutput {
     let mut on_round = |entries: &[TokenLogprob]| rounds.push(entries.to_vec());
-    generate_speculative_serving(
+    generate_speculative(
         loaded.model.as_ref(),
         &loaded.tokenizer,
         prompt,

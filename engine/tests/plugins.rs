@@ -10,11 +10,11 @@ use std::sync::OnceLock;
 use serde_json::json;
 
 use dspec_adapters::fixtures::RandomWeights;
-use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
+use dspec_engine::decoding::speculative::{generate_speculative, ServingOptions, Speculation};
+use dspec_engine::loading::drafting::load_drafter;
 use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::loading::{load_model, LoadedModel};
 use dspec_engine::tiny_model::{write_tiny_model, SPECIAL_TOKENS};
@@ -278,6 +278,7 @@ fn speculative_decoding_on_a_plugin_target_equals_plain_greedy() {
                 verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap_or_else(|e| panic!("speculative with {spec}: {e}"));
         assert_eq!(out.tokens, plain.tokens, "drafter {spec}");
@@ -308,6 +309,7 @@ fn speculative_decoding_on_a_plugin_target_equals_plain_greedy() {
             verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
+        ServingOptions::default(),
     )
     .unwrap();
     assert_eq!(out.tokens, plain.tokens);
@@ -767,6 +769,7 @@ fn dflash_and_dspark_draft_for_a_plugin_target() {
                 verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap_or_else(|e| panic!("{kind}: {e}"));
         assert_eq!(out.tokens, plain.tokens, "{kind}");

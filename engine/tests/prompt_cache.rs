@@ -7,12 +7,12 @@ use mlx_rs::Array;
 
 use dspec_adapters::fixtures::TINY_QWEN3_5_OVERRIDES;
 use dspec_drafters::ngram::NgramDrafter;
-use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::prompt_cache::PromptCache;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
 use dspec_engine::decoding::speculative::{
-    generate_speculative_serving, ServingOptions, Speculation, SpeculativeOutput,
+    generate_speculative, ServingOptions, Speculation, SpeculativeOutput,
 };
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::loading::drafting::load_drafter;
 use dspec_engine::loading::{builtin_registry, LoadedModel};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
@@ -33,7 +33,7 @@ fn request(
     prompt: &[u32],
     n: usize,
 ) -> SpeculativeOutput {
-    generate_speculative_serving(
+    generate_speculative(
         loaded.model.as_ref(),
         &loaded.tokenizer,
         prompt,
@@ -147,7 +147,7 @@ fn a_turn_ending_inside_an_accepted_block_is_cached_without_the_drafts_after_it(
         .find(|&i| i % 5 != 0 && !truth[..i].contains(&truth[i]))
         .expect("a token seen first inside a round");
     let mut store = PromptCache::new(BUDGET);
-    let out = generate_speculative_serving(
+    let out = generate_speculative(
         target.model.as_ref(),
         &target.tokenizer,
         &first,

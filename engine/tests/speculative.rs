@@ -9,8 +9,10 @@ use mlx_rs::Array;
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
+use dspec_engine::decoding::speculative::{
+    generate_speculative, ServingOptions, Speculation, SpeculativeOutput,
+};
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Agreement, Draft, Drafter, TargetModel, TokenPicker};
@@ -179,6 +181,7 @@ fn noisy_oracle_speculation_equals_greedy_with_every_acceptance_length() {
             &config(40, vec![], vec![]),
             spec(&mut drafter, 4),
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap();
         assert_eq!(out.tokens, truth[..40].to_vec(), "{overrides}");
@@ -217,6 +220,7 @@ fn eos_and_max_tokens_inside_an_accepted_block_stop_like_plain_decoding() {
             &config(max_tokens, vec![], vec![]),
             spec(&mut d, 5),
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap();
         assert_eq!(
@@ -244,6 +248,7 @@ fn eos_and_max_tokens_inside_an_accepted_block_stop_like_plain_decoding() {
         &config(40, vec![eos], vec![]),
         spec(&mut d, 5),
         &mut |_| {},
+        ServingOptions::default(),
     )
     .unwrap();
     assert_eq!(out.tokens, truth[..=first].to_vec());
@@ -284,6 +289,7 @@ fn stop_strings_inside_a_block_cut_the_text_like_plain_decoding() {
         &cfg,
         spec(&mut d, 5),
         &mut |s| streamed.push_str(s),
+        ServingOptions::default(),
     )
     .unwrap();
     assert_eq!(out.text, plain.text, "stop {stop:?}");
@@ -316,6 +322,7 @@ fn ngram_speculation_equals_greedy_on_repetitive_prompts() {
             &config(48, vec![], vec![]),
             spec(&mut drafter, 6),
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap();
         assert_eq!(out.tokens, truth, "{overrides}");
@@ -352,6 +359,7 @@ fn adaptive_draft_length_keeps_greedy_output() {
                 verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap();
         assert_eq!(
@@ -392,6 +400,7 @@ fn auto_run<'a>(
             verify_ahead: VerifyAheadMode::Always,
         },
         &mut |_| {},
+        ServingOptions::default(),
     )
     .unwrap()
 }

@@ -6,10 +6,10 @@
 
 use std::collections::HashMap;
 
-use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::builtin_registry;
+use dspec_engine::loading::drafting::load_drafter;
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::{DrafterOptions, LoadOptions};
 

@@ -10,7 +10,7 @@ use dspec_drafters::replay::ReplayDrafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, StopReason};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::decoding::speculative::SpeculativeOutput;
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, TargetModel, TokenPicker};

@@ -19,6 +19,7 @@ use mlx_rs::Array;
 
 use crate::error::{ModelError, Result};
 use dspec_runtime::slicing::{slice_axis, write_axis};
+use dspec_runtime::Backend;
 
 /// Buffers are allocated in multiples of this many positions. Deliberately not 256:
 /// MLX's CUDA backend sends one-token attention over a buffer whose length is a multiple
@@ -26,6 +27,31 @@ use dspec_runtime::slicing::{slice_axis, write_axis};
 /// always takes MLX's own vector kernel (why plans per shape matter:
 /// docs/benchmarks.md, "Where the time goes on CUDA").
 const GROWTH_STEP: i32 = 255;
+
+/// Longest continuation of a cached sequence that attends over the whole cache buffer;
+/// shorter ones run padded to it, so that a backend that builds a plan per query length
+/// (cuDNN on CUDA) builds one per capacity, not one per verify width and catch-up
+/// length. On CUDA a short forward's cost barely depends on its width, while each new
+/// plan costs as much as dozens of decode steps (docs/benchmarks.md has the measurements).
+/// Callers that feed a cache in pieces (a draft model catching up, the engine telling a
+/// drafter of plain steps) use it as the piece size, so their forwards repeat shapes too.
+pub const WHOLE_BUFFER_MAX_TOKENS: i32 = 32;
+
+/// Whether attention over the whole cache buffer pays on this backend, for a short
+/// continuation of a cached sequence (a speculative verify, typically), over MLX's
+/// causal mode on the written keys.
+///
+/// Only on CUDA, where MLX runs attention for more than one query through cuDNN and
+/// builds a cuDNN graph per distinct (query length, key length, strides): with the key
+/// length growing by the kept tokens every round, each verify paid a graph build. Over
+/// the whole buffer the key length is the capacity, which changes rarely
+/// ([`KvCache::capacity_for`]), so the graphs are built once per width and capacity
+/// (docs/benchmarks.md, "Where the time goes on CUDA", says what that saves). Metal's and
+/// the CPU's attention build nothing per length, and there the unwritten part of the
+/// buffer would only be read for nothing.
+pub fn whole_buffer_pays() -> bool {
+    Backend::current() == Backend::Cuda
+}
 
 /// Keys and values of one attention layer, shaped `[B, kv_heads, capacity, head_dim]`.
 /// Only the first `offset` positions along axis 2 are valid.
@@ -544,6 +570,17 @@ impl ModelCache {
     /// ([`KvCache::reserve`]); recurrent state and external caches are left alone.
     pub fn reserve(&mut self, positions: usize) {
         self.layers.iter_mut().for_each(|l| l.reserve(positions));
+    }
+
+    /// Sizes the cache once for a generation that may reach `positions` positions, where
+    /// buffer lengths cost ([`whole_buffer_pays`]): each one means new attention plans for
+    /// the continuations over the whole buffer. The slack covers the last continuation's
+    /// padding and a draft model drafting ahead of what was asked. Elsewhere it does
+    /// nothing: buffers grow as they are written.
+    pub fn reserve_for_generation(&mut self, positions: usize) {
+        if whole_buffer_pays() {
+            self.reserve(positions + 2 * WHOLE_BUFFER_MAX_TOKENS as usize);
+        }
     }
 
     /// Forgets the last `n` positions in every layer. Beyond

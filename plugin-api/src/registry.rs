@@ -148,12 +148,7 @@ impl AdapterRegistry {
                 "not found: --target must be a model directory with config.json, tokenizer.json and *.safetensors",
             ));
         }
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let config: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::config(&path, format!("invalid JSON: {e}")))?;
+        let config = read_json(&path)?;
         let model_type = config["model_type"]
             .as_str()
             .unwrap_or_default()
@@ -228,6 +223,16 @@ impl AdapterRegistry {
             }),
         }
     }
+}
+
+/// Reads a JSON file (a checkpoint's config.json), with the path in the error a user
+/// needs to fix it.
+pub fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| ModelError::config(path, format!("invalid JSON: {e}")))
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use dspec_engine::decoding::drafting::available_drafters;
+use dspec_engine::loading::drafting::available_drafters;
 
 use super::args::PluginArgs;
 

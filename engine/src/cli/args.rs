@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
 use dspec_engine::decoding::sampling::SamplingParams;
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
 use dspec_engine::loading::distributed::{self, Distributed};
 use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
 use dspec_engine::runtime::Backend;

@@ -8,8 +8,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
-use dspec_engine::decoding::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::loading::distributed::Distributed;
+use dspec_engine::loading::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 use dspec_engine::text::prompt::PromptEncoder;

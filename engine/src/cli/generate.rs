@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use dspec_engine::decoding::drafting::load_drafter;
 use dspec_engine::decoding::generate::{generate, GenerationConfig, GenerationOutput};
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
+use dspec_engine::decoding::speculative::{generate_speculative, ServingOptions, Speculation};
 use dspec_engine::loading::distributed::Distributed;
+use dspec_engine::loading::drafting::load_drafter;
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 use dspec_engine::text::prompt::encode_prompt;
@@ -212,6 +212,7 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
                     verify_ahead: args.tuning.verify_ahead(),
                 },
                 &mut on_text,
+                ServingOptions::default(),
             )?;
             if let Some(mut f) = trace_file {
                 f.flush().context("writing --trace")?;

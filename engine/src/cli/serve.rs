@@ -9,9 +9,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use dspec_engine::decoding::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::decoding::prompt_cache::PromptCache;
 use dspec_engine::loading::distributed::Distributed;
+use dspec_engine::loading::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::loading::{load_model, load_model_in_group};
 use dspec_engine::runtime::Backend;
 use dspec_engine::serve::group::{check_settings, follow as follow_jobs};

@@ -3,9 +3,10 @@
 //! a LoRA adapter attached. `model_source` resolves a `--target` (`hub` downloads hub
 //! models into the cache); `plugins` adds plugin families to the registry the loader
 //! picks from; `distributed` joins an MLX group, whose ranks each load their share of a
-//! target with [`load_model_in_group`].
+//! target with [`load_model_in_group`]; `drafting` loads the drafter that fits a target.
 
 pub mod distributed;
+pub mod drafting;
 pub mod hub;
 pub mod model_source;
 pub mod plugins;

@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::decoding::generate::GenerationConfig;
-use crate::decoding::speculative::{generate_speculative_serving, ServingOptions};
+use crate::decoding::speculative::{generate_speculative, ServingOptions};
 use crate::error::EngineError;
 use crate::loading::distributed::Distributed;
 use crate::runtime::exit_process;
@@ -134,7 +134,7 @@ pub fn follow(engine: &mut Engine, group: &Distributed) -> Result<(), EngineErro
         // Rank 0 alone knows whether its client left; it says so in this collective.
         let cancelled = || Ok(group.group().any(false)?);
         let (loaded, speculation, prompt_cache) = engine.parts();
-        generate_speculative_serving(
+        generate_speculative(
             loaded.model.as_ref(),
             &loaded.tokenizer,
             &job.prompt,

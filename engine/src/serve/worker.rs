@@ -15,10 +15,10 @@ use dspec_plugin_api::Drafter;
 use crate::decoding::generate::{GenerationConfig, GenerationStats, StopReason};
 use crate::decoding::logprobs::TokenLogprob;
 use crate::decoding::prompt_cache::{PromptCache, PromptCacheUsage};
+use crate::decoding::speculative::VerifyAheadMode;
 use crate::decoding::speculative::{
-    generate_speculative_serving, ServingOptions, Speculation, SpeculativeStats,
+    generate_speculative, ServingOptions, Speculation, SpeculativeStats,
 };
-use crate::decoding::verify_ahead::VerifyAheadMode;
 use crate::error::EngineError;
 use crate::loading::distributed::Distributed;
 use crate::loading::LoadedModel;
@@ -389,7 +389,7 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
         Some(group) => Ok(group.group().any(cancel.load(Ordering::Relaxed))?),
         None => Ok(cancel.load(Ordering::Relaxed)),
     };
-    let outcome = generate_speculative_serving(
+    let outcome = generate_speculative(
         loaded.model.as_ref(),
         tokenizer,
         &prompt,

@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::decoding::drafting::load_drafter;
 use crate::decoding::generate::GenerationConfig;
 use crate::decoding::sampling::SamplingParams;
-use crate::decoding::speculative::{generate_speculative, Speculation};
+use crate::decoding::speculative::{generate_speculative, ServingOptions, Speculation};
 use crate::decoding::verify_ahead::VerifyAheadMode;
 use crate::error::EngineError;
 use crate::loading::{builtin_registry, LoadedModel};
@@ -68,6 +68,7 @@ pub fn acceptance(
                 verify_ahead: VerifyAheadMode::Off,
             },
             &mut |_| {},
+            ServingOptions::default(),
         )?;
         let s = &out.speculative;
         committed += s.accepted_tokens + s.target_forwards;

@@ -12,8 +12,8 @@ use mlx_rs::Array;
 
 use dspec_engine::decoding::generate::{logits_to_host, GenerationConfig};
 use dspec_engine::decoding::sampling::{argmax, probabilities, SamplingParams};
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation};
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
+use dspec_engine::decoding::speculative::{generate_speculative, ServingOptions, Speculation};
 use dspec_engine::loading::LoadedModel;
 use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, TargetModel, TokenPicker};
@@ -204,6 +204,7 @@ pub fn sample_joint(
                 verify_ahead: VerifyAheadMode::Always,
             },
             &mut |_| {},
+            ServingOptions::default(),
         )
         .unwrap();
         drafted += out.speculative.drafted_tokens;

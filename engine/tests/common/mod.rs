@@ -10,8 +10,10 @@ use std::process::Command;
 
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
-use dspec_engine::decoding::speculative::{generate_speculative, Speculation, SpeculativeOutput};
-use dspec_engine::decoding::verify_ahead::VerifyAheadMode;
+use dspec_engine::decoding::speculative::VerifyAheadMode;
+use dspec_engine::decoding::speculative::{
+    generate_speculative, ServingOptions, Speculation, SpeculativeOutput,
+};
 use dspec_engine::loading::{builtin_registry, load_model, LoadedModel};
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
@@ -141,6 +143,7 @@ pub fn speculate_queueing(
             verify_ahead,
         },
         &mut |_| {},
+        ServingOptions::default(),
     )
     .expect("speculative generation")
 }

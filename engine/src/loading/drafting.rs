@@ -19,6 +19,7 @@ use dspec_plugin_api::{
 };
 
 use dspec_drafters::replay::ReplayDrafter;
+use dspec_plugin_api::registry::read_json;
 
 use crate::error::EngineError;
 use crate::loading::model_source::resolve_model_dir;
@@ -111,12 +112,7 @@ pub fn load_drafter(
         ))
     })?;
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|source| ModelError::Io {
-        path: config_path.clone(),
-        source,
-    })?;
-    let config: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::config(&config_path, format!("invalid JSON: {e}")))?;
+    let config = read_json(&config_path)?;
     if !model_only {
         if let Some(kind) = detect_drafter_kind(&config)? {
             return run(kind, Some(&dir), &config);

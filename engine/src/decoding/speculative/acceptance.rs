@@ -9,14 +9,14 @@
 //! drafter has none, where max(0, p − q) is p without the draft). The output then has
 //! exactly the target's distribution.
 
-use mlx_rs::ops::indexing::{argmax_axis, TryIndexOp};
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{concatenate, maximum, select, softmax_axis};
 use mlx_rs::random::uniform;
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::Draft;
 
-use crate::decoding::sampling::Sampler;
+use crate::decoding::sampling::{argmax_ids, host_ids, Sampler};
 use crate::error::EngineError;
 
 /// What a round keeps.
@@ -26,25 +26,6 @@ pub struct Accepted {
     pub drafts: usize,
     /// The target's own token after them.
     pub token: u32,
-}
-
-/// Reads a small uint32 array to the host (one sync).
-pub(crate) fn host_ids(ids: &Array) -> Result<Vec<u32>, EngineError> {
-    ids.eval()?;
-    Ok(ids
-        .try_as_slice::<u32>()
-        .map_err(|e| EngineError::Mlx(e.to_string()))?
-        .to_vec())
-}
-
-/// Argmax of every row of `[.., V]` logits as uint32 ids, lazy (on the device).
-pub fn argmax_ids(logits: &Array) -> Result<Array, EngineError> {
-    Ok(argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?)
-}
-
-/// Argmax of every row of `[.., V]` logits, on the host (one sync for all rows).
-pub fn argmax_all(logits: &Array) -> Result<Vec<u32>, EngineError> {
-    host_ids(&argmax_ids(logits)?)
 }
 
 /// Greedy acceptance of `draft` against `logits` (`[drafts + 1, V]`). Drafts still on the
