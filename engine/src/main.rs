@@ -32,5 +32,10 @@ fn main() {
             1
         }
     };
+    // A command stopped by Ctrl-C said what it did; the status says it was stopped.
+    let code = match cli::interrupt::interrupted() {
+        true => cli::interrupt::EXIT_INTERRUPTED,
+        false => code,
+    };
     exit_process(code);
 }

@@ -1277,3 +1277,50 @@ fn dspark_checkpoint_drafts_through_the_cli_with_its_options() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("vocab") && !err.contains("panicked"), "{err}");
 }
+
+/// Ctrl-C during `dspec generate` ends the generation after its current token: the text
+/// so far ends its line, the numbers so far are printed with `stop: cancelled`, and the
+/// status is 130, plain and speculative alike.
+#[test]
+fn ctrl_c_ends_a_generation_with_what_it_did() {
+    use std::io::Read;
+    let model = tiny_model(r#"{"max_position_embeddings": 200000}"#);
+    for drafter in [None, Some("ngram")] {
+        let mut args = vec![
+            "generate",
+            "--target",
+            path_str(model.path()),
+            "--prompt",
+            "go on and on",
+            "--max-tokens",
+            "150000",
+        ];
+        if let Some(d) = drafter {
+            args.extend(["--drafter", d]);
+        }
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dspec"))
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start dspec generate");
+        let mut stdout = child.stdout.take().expect("piped stdout");
+        let mut first = [0u8; 16];
+        let n = stdout.read(&mut first).expect("streamed text");
+        assert!(n > 0, "no text streamed");
+        // SAFETY: sends SIGINT to the child this test spawned.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+        let mut rest = Vec::new();
+        stdout.read_to_end(&mut rest).expect("the rest of stdout");
+        let out = child.wait_with_output().expect("wait");
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(130), "{drafter:?}: {err}");
+        assert!(
+            rest.ends_with(b"\n"),
+            "{drafter:?}: the text's line is not ended"
+        );
+        assert!(err.contains("interrupted"), "{drafter:?}: {err}");
+        assert!(err.contains("stop: cancelled"), "{drafter:?}: {err}");
+        assert!(!err.contains("panicked"), "{drafter:?}: {err}");
+    }
+}

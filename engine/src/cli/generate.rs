@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use dspec_engine::decoding::generate::{generate, GenerationConfig, GenerationOutput};
+use dspec_engine::decoding::generate::{generate_until, GenerationConfig, GenerationOutput};
 use dspec_engine::decoding::speculative::{generate_speculative, ServingOptions, Speculation};
 use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::drafting::load_drafter;
@@ -18,6 +18,7 @@ use dspec_engine::text::prompt::encode_prompt;
 use super::args::{
     count_in, run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs,
 };
+use super::interrupt;
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -180,14 +181,21 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
             let _ = stdout.flush();
         }
     };
+    // Ctrl-C ends the generation after its current token, with the text and the
+    // numbers so far (alone only: the ranks of a group must stop at the same token).
+    if group.is_none() {
+        interrupt::catch();
+    }
+    let cancelled = || Ok(interrupt::interrupted());
     let (output, speculative) = match drafter.as_mut() {
         None => (
-            generate(
+            generate_until(
                 loaded.model.as_ref(),
                 tokenizer,
                 &prompt_ids,
                 &config,
                 &mut on_text,
+                &cancelled,
             )?,
             None,
         ),
@@ -212,7 +220,10 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
                     verify_ahead: args.tuning.verify_ahead(),
                 },
                 &mut on_text,
-                ServingOptions::default(),
+                ServingOptions {
+                    cancelled: Some(&cancelled),
+                    ..ServingOptions::default()
+                },
             )?;
             if let Some(mut f) = trace_file {
                 f.flush().context("writing --trace")?;
@@ -253,6 +264,9 @@ fn run_on(mut args: GenerateArgs, plugins: &PluginArgs, group: Option<&Distribut
         print!("{}", output.text);
     }
     println!();
+    if interrupt::interrupted() {
+        eprintln!("[dspec] interrupted (Ctrl-C): what was generated until then is above");
+    }
     eprintln!(
         "[dspec] prompt {} tokens, prefill {:.1} tok/s | generated {} tokens, decode {:.1} tok/s | stop: {}",
         s.prompt_tokens,

@@ -9,6 +9,7 @@ mod args;
 mod bench;
 mod convert;
 mod generate;
+pub mod interrupt;
 mod score;
 mod serve;
 mod train_drafter;

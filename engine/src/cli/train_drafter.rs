@@ -3,7 +3,6 @@
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -20,6 +19,7 @@ use dspec_engine::training::spec::{
 use dspec_engine::training::trainer::{train, Length, Progress, TrainOptions};
 
 use super::args::{ModelArgs, PluginArgs};
+use super::interrupt;
 
 #[derive(Args)]
 pub struct TrainDrafterArgs {
@@ -98,32 +98,6 @@ pub struct TrainDrafterArgs {
     /// Largest global gradient norm; larger gradients are scaled down (0 turns it off).
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
-}
-
-/// Set by the first Ctrl-C (or SIGTERM) while training: the step under way finishes and
-/// the run is saved for `--resume`.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_interrupt(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-    // A second one ends the process at once, as it would have without this handler.
-    // SAFETY: `signal` is async-signal-safe, and SIG_DFL runs no handler code.
-    unsafe {
-        libc::signal(libc::SIGINT, libc::SIG_DFL);
-        libc::signal(libc::SIGTERM, libc::SIG_DFL);
-    }
-}
-
-/// From here on, Ctrl-C and SIGTERM end the run after its current step, saved. (While
-/// answers are generated they end it at once: each answer is saved as it is written.)
-fn save_on_interrupt() {
-    let handler = on_interrupt as extern "C" fn(libc::c_int);
-    // SAFETY: the handler only stores to an atomic and calls `signal`, both
-    // async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGINT, handler as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, handler as libc::sighandler_t);
-    }
 }
 
 /// `value` when it lies in `lo..=hi`, else an error naming the flag and the range.
@@ -293,7 +267,7 @@ pub fn run(args: TrainDrafterArgs, plugins: &PluginArgs) -> Result<()> {
     let interactive = std::io::stderr().is_terminal();
     let mut report_every = 1;
     let (mut saved_at, mut total_steps) = (0, 0);
-    save_on_interrupt();
+    interrupt::catch();
     let last = train(
         &loaded,
         &spec,
@@ -338,10 +312,10 @@ pub fn run(args: TrainDrafterArgs, plugins: &PluginArgs) -> Result<()> {
             }
             Progress::Saved { step } => saved_at = step,
         },
-        &|_| INTERRUPTED.load(Ordering::SeqCst),
+        &|_| interrupt::interrupted(),
     )?;
     bar.finish_and_clear();
-    if INTERRUPTED.load(Ordering::SeqCst) && saved_at < total_steps {
+    if interrupt::interrupted() && saved_at < total_steps {
         bail!(
             "interrupted after step {saved_at} of {total_steps}, which is saved in {}: run the \
              same command with --resume to go on",

@@ -12,7 +12,7 @@ use serde::Serialize;
 use dspec_plugin_api::{ModelCache, TargetModel};
 
 use crate::decoding::sampling::{pick_next, token_value, Sampler};
-use crate::decoding::session::context_limit;
+use crate::decoding::session::{context_limit, CancelCheck};
 // Kept at their old paths for the callers that name them here.
 use crate::decoding::session::TextSink;
 pub use crate::decoding::session::{
@@ -71,6 +71,19 @@ pub fn generate(
     config: &GenerationConfig,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerationOutput, EngineError> {
+    generate_until(model, tokenizer, prompt, config, on_text, &|| Ok(false))
+}
+
+/// [`generate`], asking `cancelled` after each committed token: true ends the generation
+/// there, with [`StopReason::Cancelled`] (the user pressed Ctrl-C).
+pub fn generate_until(
+    model: &dyn TargetModel,
+    tokenizer: &TextTokenizer,
+    prompt: &[u32],
+    config: &GenerationConfig,
+    on_text: &mut dyn FnMut(&str),
+    cancelled: &CancelCheck,
+) -> Result<GenerationOutput, EngineError> {
     let context_limit = context_limit(model, prompt)?;
     let mut sampler = Sampler::unless_greedy(&config.sampling);
     let mut sink = TextSink::new(tokenizer, &config.stop_strings, on_text);
@@ -128,6 +141,9 @@ pub fn generate(
         }
         if sink.push(current_id)? {
             break StopReason::StopString;
+        }
+        if cancelled()? {
+            break StopReason::Cancelled;
         }
         let wait = Instant::now();
         current_id = token_value(&step)?;
