@@ -28,6 +28,12 @@ pub enum EngineError {
         "the prompt has {prompt} tokens but the model's context is {limit}; shorten the prompt"
     )]
     PromptTooLong { prompt: usize, limit: usize },
+    #[error(
+        "the model's logits at position {position} ({what}) are not finite numbers: its \
+         weights may be corrupt (re-download or re-convert them), a config.json value may be \
+         wrong for this checkpoint, or its activations overflow the dtype (try --dtype f32)"
+    )]
+    NonFiniteLogits { position: usize, what: &'static str },
     #[error("{0}")]
     Invalid(String),
 }

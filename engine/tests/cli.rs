@@ -1324,3 +1324,37 @@ fn ctrl_c_ends_a_generation_with_what_it_did() {
         assert!(!err.contains("panicked"), "{drafter:?}: {err}");
     }
 }
+
+/// A checkpoint whose weights hold NaN (corrupt bytes of the right size) is caught at
+/// its first logits: generate (plain and speculative) and score fail naming the position
+/// and the likely causes, instead of empty text with exit 0 or NaN scores.
+#[test]
+fn non_finite_logits_are_an_error_not_silent_output() {
+    let model = tiny_model("{}");
+    let weights = model.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let offsets = &header["model.norm.weight"]["data_offsets"];
+    let (start, end) = (
+        8 + header_len + offsets[0].as_u64().unwrap() as usize,
+        8 + header_len + offsets[1].as_u64().unwrap() as usize,
+    );
+    assert_eq!(header["model.norm.weight"]["dtype"], "F32");
+    for word in bytes[start..end].chunks_mut(4) {
+        word.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&weights, bytes).unwrap();
+    let m = path_str(model.path());
+    for extra in [&[][..], &["--drafter", "ngram"][..]] {
+        let mut args = vec!["generate", "--target", m, "--prompt", "hello"];
+        args.extend_from_slice(extra);
+        let err = dspec_fails(&args);
+        assert!(
+            err.contains("not finite") && err.contains("position") && err.contains("corrupt"),
+            "{extra:?}: {err}"
+        );
+    }
+    let err = dspec_fails(&["score", "--target", m, "--text", "some text to score"]);
+    assert!(err.contains("not finite"), "{err}");
+}

@@ -173,11 +173,24 @@ pub fn prefill_with_taps(
     // token's, so on a GPU the first tokens round exactly as mlx-lm's do.
     let out = model.forward(&Array::from_slice(&[final_token], &[1, 1]), cache, taps)?;
     let logits = out.logits.try_index((.., -1, ..))?;
+    // The sum is NaN or infinite when any logit is: a broken checkpoint shows here, before
+    // it could generate garbage with a clean exit, at one reduction per generation.
+    let total = logits.as_dtype(mlx_rs::Dtype::Float32)?.sum(None)?;
     mlx_rs::transforms::eval(
-        std::iter::once(&logits)
+        [&logits, &total]
+            .into_iter()
             .chain(out.hidden.iter())
             .chain(cache.state()),
     )?;
+    let total: f32 = total
+        .try_item_cast()
+        .map_err(|e| EngineError::Mlx(e.to_string()))?;
+    if !total.is_finite() {
+        return Err(EngineError::NonFiniteLogits {
+            position: prompt.len() - 1,
+            what: "the prompt's last token",
+        });
+    }
     hidden.extend(out.hidden);
     let hidden = if hidden.is_empty() {
         None

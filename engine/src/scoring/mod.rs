@@ -558,13 +558,24 @@ fn gather_logprobs(logits: &Array, targets: &[u32]) -> Result<Array, EngineError
     Ok(picked.subtract(normalizer)?.reshape(&[len])?)
 }
 
+/// The log-probabilities on the host; a NaN among them is a broken model, never a score.
 fn to_host(values: &Array) -> Result<Vec<f32>, EngineError> {
     let values = values.as_dtype(Dtype::Float32)?.reshape(&[-1])?;
     values.eval()?;
-    Ok(values
+    let values = values
         .try_as_slice::<f32>()
         .map_err(|e| EngineError::Mlx(e.to_string()))?
-        .to_vec())
+        .to_vec();
+    match values
+        .iter()
+        .position(|v| v.is_nan() || *v == f32::INFINITY)
+    {
+        Some(position) => Err(EngineError::NonFiniteLogits {
+            position,
+            what: "counted from the first scored token",
+        }),
+        None => Ok(values),
+    }
 }
 
 fn mismatched(measure: &Measure) -> EngineError {
