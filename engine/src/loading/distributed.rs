@@ -456,36 +456,17 @@ fn ring_connections(_hosts: &[Vec<String>], _rank: i32) -> Vec<(i32, i32, String
 }
 
 /// The local (`peer: false`) or remote address of socket `fd`, if it is a connected
-/// IPv4 or IPv6 socket.
+/// IPv4 or IPv6 socket (std's socket calls read the address; any other descriptor
+/// answers an error).
 #[cfg(target_os = "linux")]
 fn socket_address(fd: i32, peer: bool) -> Option<std::net::SocketAddr> {
-    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
-    // SAFETY: getsockname/getpeername write at most `len` bytes into the zeroed storage;
-    // the descriptor is this process's own and is only inspected.
-    unsafe {
-        let mut storage: libc::sockaddr_storage = std::mem::zeroed();
-        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        let addr = &mut storage as *mut _ as *mut libc::sockaddr;
-        let status = match peer {
-            true => libc::getpeername(fd, addr, &mut len),
-            false => libc::getsockname(fd, addr, &mut len),
-        };
-        if status != 0 {
-            return None;
-        }
-        match storage.ss_family as i32 {
-            libc::AF_INET => {
-                let a = &*(addr as *const libc::sockaddr_in);
-                let ip = Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
-                Some(SocketAddr::from((ip, u16::from_be(a.sin_port))))
-            }
-            libc::AF_INET6 => {
-                let a = &*(addr as *const libc::sockaddr_in6);
-                let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
-                Some(SocketAddr::from((ip, u16::from_be(a.sin6_port))))
-            }
-            _ => None,
-        }
+    use std::os::fd::FromRawFd;
+    // SAFETY: the descriptor is this process's own and stays open while it is borrowed
+    // here; ManuallyDrop keeps the stream from closing it.
+    let stream = std::mem::ManuallyDrop::new(unsafe { std::net::TcpStream::from_raw_fd(fd) });
+    match peer {
+        true => stream.peer_addr().ok(),
+        false => stream.local_addr().ok(),
     }
 }
 
