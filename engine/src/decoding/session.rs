@@ -186,8 +186,9 @@ pub fn prefill_with_taps(
         .try_item_cast()
         .map_err(|e| EngineError::Mlx(e.to_string()))?;
     if !total.is_finite() {
+        // The cache's length, not the prompt's: a prompt-cache hit prefills only the rest.
         return Err(EngineError::NonFiniteLogits {
-            position: prompt.len() - 1,
+            position: cache.offset() - 1,
             what: "the prompt's last token",
         });
     }

@@ -74,7 +74,6 @@ fn unix_seconds() -> u64 {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let limit = state.max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -83,7 +82,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state.clone())
-        .layer(DefaultBodyLimit::max(limit))
+        // `read_body` bounds the body (and answers 413); the extractor's own default
+        // bound would refuse a body it already took.
+        .layer(DefaultBodyLimit::disable())
         .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(middleware::from_fn_with_state(state, authorize))
         .layer(middleware::from_fn(log_requests))
@@ -313,10 +314,7 @@ impl Drop for Cancellation {
     }
 }
 
-fn body_error(rejection: BytesRejection, limit: usize) -> ApiError {
-    if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        return too_large(limit);
-    }
+fn body_error(rejection: BytesRejection) -> ApiError {
     ApiError::invalid(
         "body",
         format!("reading the request body: {}", rejection.body_text()),
@@ -341,7 +339,7 @@ async fn handle(
         max_context: state.max_context,
     };
     let request = match body
-        .map_err(|r| body_error(r, state.max_body_bytes))
+        .map_err(body_error)
         .and_then(|b| parse(endpoint, &b, &served))
     {
         Ok(r) => r,
