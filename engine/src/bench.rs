@@ -108,6 +108,18 @@ pub struct BenchSettings {
     pub sampled: Option<SamplingParams>,
 }
 
+/// What [`run_bench`] tells its caller as it goes, and asks it.
+pub struct BenchHooks<'a> {
+    /// Receives one JSON line per round of the timed speculative runs.
+    pub trace: Option<&'a mut dyn Write>,
+    /// Hears of each pass completed (its number, from 1).
+    pub pass_done: &'a mut dyn FnMut(usize),
+    /// Asked before each run: true ends the bench there, and the report covers the
+    /// passes each prompt completed (a run cut short would time nothing real), with
+    /// [`BenchReport::interrupted`] set.
+    pub stop: &'a dyn Fn() -> bool,
+}
+
 /// Prefill of one prompt: its first call apart from the warm calls after it.
 #[derive(Debug, Clone, Serialize)]
 pub struct PrefillRow {
@@ -198,8 +210,12 @@ pub struct BenchReport {
     /// When rounds were queued ahead (`--verify-ahead`).
     pub verify_ahead: VerifyAheadMode,
     pub max_tokens: usize,
-    /// Passes per prompt ([`BenchSettings::passes`]).
+    /// Passes per prompt ([`BenchSettings::passes`]), or those the first prompt
+    /// completed when [`interrupted`](Self::interrupted).
     pub passes: usize,
+    /// The bench was stopped (Ctrl-C) before its last run: the rows cover the prompts
+    /// that completed a pass, each over its completed passes.
+    pub interrupted: bool,
     pub rows: Vec<BenchRow>,
     /// Over all prompts' median passes: generated tokens (after each first) / decode
     /// seconds.
@@ -258,17 +274,22 @@ pub struct SampledRow {
 /// drift in the machine's speed falls on both alike. Sampled plain decoding, when asked
 /// for, runs between the two, so that it always sits next to plain greedy's run of the
 /// same pass; with a seed, pass `n` samples with seed + `n`. Prefill is measured first, so each
-/// prompt's first prefill is its first in the process. `trace` receives one JSON line per
-/// round of the timed speculative runs (as `generate --trace` writes them), so that round
-/// costs can be set against the plain steps of the same process.
+/// prompt's first prefill is its first in the process. The trace in `hooks` gets the
+/// rounds (as `generate --trace` writes them), so that round costs can be set against the
+/// plain steps of the same process; `hooks` also hear of each pass and can stop the bench.
 pub fn run_bench(
     model: &dyn TargetModel,
     tokenizer: &TextTokenizer,
     drafter: &mut dyn Drafter,
     prompts: &[Vec<u32>],
     settings: &BenchSettings,
-    mut trace: Option<&mut dyn Write>,
+    hooks: BenchHooks<'_>,
 ) -> Result<BenchReport, EngineError> {
+    let BenchHooks {
+        mut trace,
+        pass_done,
+        stop,
+    } = hooks;
     let BenchSettings {
         max_tokens,
         max_draft,
@@ -339,7 +360,8 @@ pub fn run_bench(
     let runs = || -> Vec<Vec<GenerationOutput>> { prompts.iter().map(|_| Vec::new()).collect() };
     let (mut plain_runs, mut sampled_runs) = (runs(), runs());
     let mut spec_runs: Vec<Vec<SpeculativeOutput>> = prompts.iter().map(|_| Vec::new()).collect();
-    for pass in 0..passes {
+    let mut interrupted = false;
+    'passes: for pass in 0..passes {
         let sampled = sampled_config(pass as u64);
         // Sampled sits in the middle, next to plain greedy either way round.
         let order = match pass % 2 {
@@ -348,6 +370,10 @@ pub fn run_bench(
         };
         for (i, prompt) in prompts.iter().enumerate() {
             for run in order {
+                if stop() {
+                    interrupted = true;
+                    break 'passes;
+                }
                 match (run, &sampled) {
                     (Run::Plain, _) => plain_runs[i].push(generate(
                         model,
@@ -373,7 +399,34 @@ pub fn run_bench(
                 }
             }
         }
+        pass_done(pass + 1);
     }
+    // A pass counts for a prompt once all its runs are done; passes go over the prompts
+    // in order, so the prompts with a complete pass come first.
+    let completed: Vec<usize> = (0..prompts.len())
+        .map(|i| {
+            let sampled = match sampling.is_some() {
+                true => sampled_runs[i].len(),
+                false => usize::MAX,
+            };
+            plain_runs[i].len().min(spec_runs[i].len()).min(sampled)
+        })
+        .collect();
+    let reported = completed.iter().take_while(|&&n| n > 0).count();
+    if reported == 0 {
+        return Err(EngineError::Invalid(
+            "interrupted before any prompt finished a pass: nothing to report".into(),
+        ));
+    }
+    let prompts = &prompts[..reported];
+    for (i, &n) in completed.iter().enumerate() {
+        plain_runs[i].truncate(n);
+        sampled_runs[i].truncate(n);
+        spec_runs[i].truncate(n);
+    }
+    plain_runs.truncate(reported);
+    sampled_runs.truncate(reported);
+    spec_runs.truncate(reported);
     let sampled = sampling
         .as_ref()
         .map(|params| sampled_report(params, &plain_runs, sampled_runs));
@@ -447,7 +500,8 @@ pub fn run_bench(
         adaptive,
         verify_ahead,
         max_tokens,
-        passes,
+        passes: completed[0],
+        interrupted,
         plain_tokens_per_second: plain_tps,
         speculative_tokens_per_second: spec_tps,
         speedup: paired_ratio(&paired_passes.iter().map(Vec::as_slice).collect::<Vec<_>>()),

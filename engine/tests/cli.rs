@@ -582,6 +582,24 @@ fn counts_outside_their_range_are_refused_with_the_range() {
             "{flag} {value}: {err}"
         );
     }
+    // Sampling settings, checked as the server checks its request fields. A temperature
+    // just above 0 would overflow the scaled logits to infinity and sample garbage.
+    for (flag, value, range) in [
+        ("--temperature", "1e-40", "0.001 to 100"),
+        ("--temperature", "-1", "0.001 to 100"),
+        ("--temperature", "inf", "0.001 to 100"),
+        ("--top-p", "1.5", "(0, 1]"),
+        ("--min-p", "1", "[0, 1)"),
+    ] {
+        let joined = format!("{flag}={value}");
+        let mut args = generate.to_vec();
+        args.push(&joined);
+        let err = dspec_fails(&args);
+        assert!(
+            err.contains(flag) && err.contains(range),
+            "{flag} {value}: {err}"
+        );
+    }
 }
 
 #[test]
@@ -1322,6 +1340,135 @@ fn ctrl_c_ends_a_generation_with_what_it_did() {
         assert!(err.contains("interrupted"), "{drafter:?}: {err}");
         assert!(err.contains("stop: cancelled"), "{drafter:?}: {err}");
         assert!(!err.contains("panicked"), "{drafter:?}: {err}");
+    }
+}
+
+/// Ctrl-C during `dspec bench` ends it before its next run: the report covers the passes
+/// completed, says it was interrupted, and the status is 130.
+#[test]
+fn ctrl_c_ends_a_bench_with_the_passes_it_completed() {
+    use std::io::{BufRead, BufReader, Read};
+    let model = tiny_model(r#"{"max_position_embeddings": 1024}"#);
+    let prompts_dir = tempfile::tempdir().expect("temp dir");
+    let prompts = prompts_dir.path().join("prompts.txt");
+    std::fs::write(&prompts, "ab ab ab ab\nthe second one\n").expect("write prompts");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dspec"))
+        .args(bench_args(
+            path_str(model.path()),
+            "ngram",
+            &[
+                "--prompts",
+                path_str(&prompts),
+                "--max-tokens",
+                "8",
+                "--passes",
+                "1000",
+                "--json",
+            ],
+        ))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start dspec bench");
+    let mut stderr_lines = BufReader::new(child.stderr.take().expect("piped stderr"));
+    let mut seen = String::new();
+    while !seen.contains("pass 2 of 1000 done") {
+        let mut line = String::new();
+        let n = stderr_lines.read_line(&mut line).expect("stderr");
+        assert!(n > 0, "bench ended before its second pass: {seen}");
+        seen += &line;
+    }
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let mut rest = String::new();
+    stderr_lines
+        .read_to_string(&mut rest)
+        .expect("the rest of stderr");
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(130), "{rest}");
+    assert!(
+        rest.contains("interrupted") && !rest.contains("panicked"),
+        "{rest}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json report");
+    let report = &v["report"];
+    assert_eq!(report["interrupted"], true);
+    let passes = report["passes"].as_u64().expect("passes");
+    assert!((2..1000).contains(&passes), "{passes} passes");
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        let runs = row["plain_passes"].as_array().expect("plain passes").len();
+        assert_eq!(
+            runs,
+            row["speculative_passes"].as_array().expect("passes").len()
+        );
+        assert!(runs >= 2 && runs as u64 <= passes, "{runs} of {passes}");
+        assert_eq!(row["identical"], true);
+    }
+}
+
+/// Whether the process `pid` has a handler for SIGINT (it called `interrupt::catch`).
+#[cfg(target_os = "linux")]
+fn catches_sigint(pid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .is_some_and(|mask| mask & (1 << (libc::SIGINT - 1)) != 0)
+}
+
+/// Ctrl-C during `dspec score --input` stops before the next request: the results so far
+/// are printed and marked interrupted, and the status is 130.
+#[cfg(target_os = "linux")]
+#[test]
+fn ctrl_c_ends_scoring_with_the_results_so_far() {
+    let model = tiny_model("{}");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let input = dir.path().join("requests.jsonl");
+    let lines: Vec<String> = (0..20_000)
+        .map(|i| format!(r#"{{"measure": "rolling", "text": "text number {i} to score"}}"#))
+        .collect();
+    std::fs::write(&input, lines.join("\n")).expect("write requests");
+    let child = Command::new(env!("CARGO_BIN_EXE_dspec"))
+        .args([
+            "score",
+            "--target",
+            path_str(model.path()),
+            "--input",
+            path_str(&input),
+            "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start dspec score");
+    // The handler goes in just before the first request is scored.
+    let started = std::time::Instant::now();
+    while !catches_sigint(child.id()) {
+        assert!(
+            started.elapsed().as_secs() < 600,
+            "score never got to its requests"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let out = child.wait_with_output().expect("wait");
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("interrupted") && !err.contains("panicked"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["interrupted"], true);
+    assert_eq!(v["requests"], 20_000);
+    let results = v["results"].as_array().expect("results");
+    assert!(results.len() < 20_000);
+    for (n, result) in results.iter().enumerate() {
+        assert_eq!(result["line"], n + 1, "results are in order, none skipped");
     }
 }
 

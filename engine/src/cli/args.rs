@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use mlx_rs::Dtype;
 
-use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::decoding::sampling::{SamplingParams, MAX_TOP_K};
 use dspec_engine::decoding::speculative::VerifyAheadMode;
 use dspec_engine::loading::distributed::{self, Distributed};
 use dspec_engine::loading::plugins::{registry_with_plugins, PluginOptions, PluginSearch};
@@ -142,18 +142,19 @@ pub fn count_in(
 /// does with them).
 #[derive(Args)]
 pub struct SamplingArgs {
-    /// 0 means greedy decoding.
+    /// 0 means greedy decoding; else 0.001 to 100.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
     /// Keep only the k most likely tokens (0 = off; 0 to 1000000).
     #[arg(long, default_value_t = 0, value_parser = count_in(0, MAX_TOP_K))]
     top_k: usize,
-    /// Nucleus sampling mass (1 = off).
+    /// Nucleus sampling mass, in (0, 1] (1 = off).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
-    /// Drop tokens less likely than min_p × the most likely one (0 = off).
+    /// Drop tokens less likely than min_p × the most likely one, in [0, 1) (0 = off).
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
+    /// Seed for reproducible sampling, 0 to 2^64 − 1 (default: from the OS).
     #[arg(long)]
     seed: Option<u64>,
 }
@@ -161,25 +162,22 @@ pub struct SamplingArgs {
 impl SamplingArgs {
     /// The flags as sampling parameters, each checked against its range.
     pub fn params(&self) -> Result<SamplingParams> {
-        if self.temperature < 0.0 || !self.temperature.is_finite() {
-            bail!(
-                "--temperature must be ≥ 0 (0 = greedy), got {}",
-                self.temperature
-            );
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            bail!("--top-p must be in (0, 1], got {}", self.top_p);
-        }
-        if !(0.0..1.0).contains(&self.min_p) {
-            bail!("--min-p must be in [0, 1), got {}", self.min_p);
-        }
-        Ok(SamplingParams {
+        let params = SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
             seed: self.seed,
-        })
+        };
+        if let Some(bad) = params.out_of_range() {
+            bail!(
+                "--{} must be {}, got {}",
+                bad.field.replace('_', "-"),
+                bad.range,
+                bad.got
+            );
+        }
+        Ok(params)
     }
 
     /// The filters given without a temperature, which greedy decoding ignores (for a
@@ -286,9 +284,6 @@ pub struct DraftLengthArg {
 
 /// The most `--max-draft` takes.
 const MAX_DRAFT: usize = 64;
-
-/// The largest `--top-k`: beyond every vocabulary, so the same as off.
-const MAX_TOP_K: usize = 1_000_000;
 
 /// Upper bound of `--max-draft auto`: past 8 drafts even a good drafter's later tokens
 /// are rarely kept, and the rows of a verify are not free.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, DEFAULT_PROMPTS};
+use dspec_engine::bench::{read_prompts, run_bench as bench_prompts, BenchHooks, DEFAULT_PROMPTS};
 use dspec_engine::loading::distributed::Distributed;
 use dspec_engine::loading::drafting::{drafts_with_a_model, load_drafter};
 use dspec_engine::loading::{load_model, load_model_in_group};
@@ -17,6 +17,7 @@ use dspec_engine::text::prompt::PromptEncoder;
 use super::args::{
     count_in, run_joined, DistributedArgs, DraftTuning, ModelArgs, PluginArgs, SamplingArgs,
 };
+use super::interrupt;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -158,13 +159,26 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
         )),
         _ => None,
     };
+    // Ranks must run the same passes, and a signal reaches one of them: a group keeps
+    // the default (the process ends).
+    if group.is_none() {
+        interrupt::catch();
+    }
     let report = bench_prompts(
         loaded.model.as_ref(),
         &loaded.tokenizer,
         drafter.as_mut(),
         &ids,
         &settings,
-        trace_file.as_mut().map(|f| f as &mut dyn Write),
+        BenchHooks {
+            trace: trace_file.as_mut().map(|f| f as &mut dyn Write),
+            pass_done: &mut |pass| {
+                if root {
+                    eprintln!("[dspec] pass {pass} of {} done", args.passes);
+                }
+            },
+            stop: &interrupt::interrupted,
+        },
     )?;
     if let Some(mut f) = trace_file {
         f.flush().context("writing --trace")?;
@@ -200,6 +214,13 @@ fn run_on(mut args: BenchArgs, plugins: &PluginArgs, group: Option<&Distributed>
             report.passes
         );
         print!("{}", report.table());
+    }
+    if report.interrupted {
+        eprintln!(
+            "[dspec] interrupted (Ctrl-C): the report covers the {} of {} prompts that completed a pass, over their completed passes",
+            report.rows.len(),
+            ids.len()
+        );
     }
     if report.real_mismatches > 0 {
         bail!("speculative and plain greedy outputs differ where rounding cannot explain it (see the table): this is a bug in dspec, please report it");

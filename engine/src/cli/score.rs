@@ -15,6 +15,7 @@ use dspec_engine::scoring::batch::{read_requests, render_text, run_requests, Sco
 use dspec_engine::scoring::{Measure, Scorer, ScorerAdapter, Windowing};
 
 use super::args::{count_in, ModelArgs, PluginArgs};
+use super::interrupt;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum MeasureArg {
@@ -155,8 +156,16 @@ pub fn run(args: ScoreArgs, plugins: &PluginArgs) -> Result<()> {
     } else {
         Sides::One(scorer.default_variant())
     };
-    let results = run_requests(&mut scorer, &requests, sides)?;
+    interrupt::catch();
+    let results = run_requests(&mut scorer, &requests, sides, &interrupt::interrupted)?;
     let stats = scorer.stats();
+    let interrupted = (results.len() < requests.len()).then(|| {
+        format!(
+            "interrupted (Ctrl-C) after {} of {} requests: their results are above",
+            results.len(),
+            requests.len()
+        )
+    });
     if args.json {
         let report = serde_json::json!({
             "model": {
@@ -175,9 +184,14 @@ pub fn run(args: ScoreArgs, plugins: &PluginArgs) -> Result<()> {
             "window": windowing.window,
             "stride": windowing.stride,
             "results": results,
+            "requests": requests.len(),
+            "interrupted": interrupted.is_some(),
             "stats": stats,
         });
         println!("{}", serde_json::to_string_pretty(&report)?);
+        if let Some(message) = interrupted {
+            eprintln!("[dspec] {message}");
+        }
         return Ok(());
     }
     if let Some(lora) = &lora {
@@ -201,5 +215,8 @@ pub fn run(args: ScoreArgs, plugins: &PluginArgs) -> Result<()> {
         windowing.window,
         windowing.stride,
     );
+    if let Some(message) = interrupted {
+        eprintln!("[dspec] {message}");
+    }
     Ok(())
 }

@@ -52,20 +52,20 @@ pub struct ServeArgs {
     /// Connections open at once; more wait to be accepted until one closes (1 to 65536).
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_connections: u32,
-    /// Port to listen on; 0 picks a free one (the address is printed on stderr).
+    /// Port to listen on, 0 to 65535; 0 picks a free one (the address is printed on stderr).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Requests that may wait while one is generated; more are answered 429.
+    /// Requests that may wait while one is generated (1 to 4096); more are answered 429.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     queue_size: u32,
-    /// Tokens generated for a request that gives no `max_tokens` (fewer when the
-    /// context has less room).
+    /// Tokens generated for a request that gives no `max_tokens`, 1 to 2^32 − 1 (fewer
+    /// when the context has less room).
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     max_tokens: u32,
     /// The model id clients send and `/v1/models` lists (default: --target as given).
     #[arg(long)]
     served_model_name: Option<String>,
-    /// Larger request bodies are answered 413.
+    /// Larger request bodies are answered 413 (1024 to 2^32 − 1 bytes).
     #[arg(long, default_value_t = 4 << 20, value_parser = clap::value_parser!(u32).range(1024..))]
     max_body_bytes: u32,
     /// Memory for the target's caches of earlier requests, so that a prompt sharing a

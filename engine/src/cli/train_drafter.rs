@@ -95,7 +95,8 @@ pub struct TrainDrafterArgs {
     /// 7 for DFlash, 4 for DSpark, as published).
     #[arg(long)]
     gamma: Option<f32>,
-    /// Largest global gradient norm; larger gradients are scaled down (0 turns it off).
+    /// Largest global gradient norm, 0 to 1,000,000; larger gradients are scaled down
+    /// (0 turns it off).
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
 }

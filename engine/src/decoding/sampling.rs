@@ -42,9 +42,62 @@ impl Default for SamplingParams {
     }
 }
 
+/// The most tokens top-k may keep (0 = off); any vocabulary fits under it.
+pub const MAX_TOP_K: usize = 1_000_000;
+
+/// The least temperature above 0: below it, logits times 1 / temperature can overflow
+/// to infinity and the distribution is lost (0 gives greedy decoding, which is the limit).
+pub const MIN_TEMPERATURE: f32 = 1e-3;
+/// The most temperature: far past the point where sampling is uniform.
+pub const MAX_TEMPERATURE: f32 = 100.0;
+
+/// A sampling setting outside its range, named by its field (`top_p`), with the range.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutOfRange {
+    pub field: &'static str,
+    pub range: String,
+    pub got: String,
+}
+
 impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature.is_nan() || self.temperature <= 0.0
+    }
+
+    /// The first setting outside the range it can work in, if any: the command line and
+    /// the server both check through this, so they take the same values.
+    pub fn out_of_range(&self) -> Option<OutOfRange> {
+        let t = self.temperature;
+        let fields = [
+            (
+                "temperature",
+                t == 0.0 || (MIN_TEMPERATURE..=MAX_TEMPERATURE).contains(&t),
+                format!("0 (greedy) or from {MIN_TEMPERATURE} to {MAX_TEMPERATURE}"),
+                format!("{t:?}"),
+            ),
+            (
+                "top_k",
+                self.top_k <= MAX_TOP_K,
+                format!("from 0 (off) to {MAX_TOP_K}"),
+                self.top_k.to_string(),
+            ),
+            (
+                "top_p",
+                self.top_p > 0.0 && self.top_p <= 1.0,
+                "in (0, 1] (1 = off)".to_string(),
+                format!("{:?}", self.top_p),
+            ),
+            (
+                "min_p",
+                (0.0..1.0).contains(&self.min_p),
+                "in [0, 1) (0 = off)".to_string(),
+                format!("{:?}", self.min_p),
+            ),
+        ];
+        fields
+            .into_iter()
+            .find(|(_, within, _, _)| !within)
+            .map(|(field, _, range, got)| OutOfRange { field, range, got })
     }
 }
 

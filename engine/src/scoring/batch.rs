@@ -155,26 +155,30 @@ pub struct ScoreResult {
     pub delta: Option<ScoreDelta>,
 }
 
-/// Scores every request on `sides`; a failing request stops the run, named by its line
-/// (or position).
+/// Scores the requests on `sides` in order, asking `stop` before each: true ends the run
+/// there, with the results so far (fewer than the requests). A failing request stops the
+/// run, named by its line (or position).
 pub fn run_requests(
     scorer: &mut Scorer,
     requests: &[ScoreRequest],
     sides: Sides,
+    stop: &dyn Fn() -> bool,
 ) -> Result<Vec<ScoreResult>, EngineError> {
-    requests
-        .iter()
-        .enumerate()
-        .map(|(i, request)| {
-            run_one(scorer, request, sides).map_err(|e| {
-                let place = match request.line {
-                    Some(line) => format!("line {line}"),
-                    None => format!("request {}", i + 1),
-                };
-                EngineError::Invalid(format!("{place} ({}): {e}", request.measure.name()))
-            })
-        })
-        .collect()
+    let mut results = Vec::with_capacity(requests.len());
+    for (i, request) in requests.iter().enumerate() {
+        if stop() {
+            break;
+        }
+        let result = run_one(scorer, request, sides).map_err(|e| {
+            let place = match request.line {
+                Some(line) => format!("line {line}"),
+                None => format!("request {}", i + 1),
+            };
+            EngineError::Invalid(format!("{place} ({}): {e}", request.measure.name()))
+        })?;
+        results.push(result);
+    }
+    Ok(results)
 }
 
 fn run_one(

@@ -491,6 +491,9 @@ fn refuse_unsupported(s: &Body, completions: bool) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Most stop strings a request may give: each is checked at every token.
+pub const MAX_STOP_STRINGS: usize = 16;
+
 /// Most alternatives per token the legacy completions API allows.
 const MAX_COMPLETION_LOGPROBS: u64 = 5;
 
@@ -569,41 +572,47 @@ fn job(
         (None, m) => ("max_tokens", m),
     };
     if let Some(m) = max_tokens {
+        let most = served
+            .max_context
+            .map_or(u64::MAX, |limit| (limit as u64).saturating_sub(1));
         if m == 0 {
             return Err(ApiError::invalid(
                 param,
-                format!("`{param}` must be at least 1"),
+                format!("`{param}` must be from 1 to {most}, got 0"),
             ));
         }
-        if let Some(limit) = served.max_context {
-            if m >= limit as u64 {
-                return Err(ApiError::invalid(
-                    param,
-                    format!("`{param}` is {m} but the model's context is {limit} tokens, prompt included; ask for fewer"),
-                )
-                .with_code("context_length_exceeded"));
-            }
+        if m > most {
+            return Err(ApiError::invalid(
+                param,
+                format!("`{param}` is {m} but the model's context is {} tokens, prompt included; ask for at most {most}", most + 1),
+            )
+            .with_code("context_length_exceeded"));
         }
     }
-    let temperature = s.temperature.unwrap_or(1.0);
-    if !(temperature.is_finite() && temperature >= 0.0) {
+    let sampling = SamplingParams {
+        temperature: s.temperature.unwrap_or(1.0) as f32,
+        top_k: usize::try_from(s.top_k.unwrap_or(0)).unwrap_or(usize::MAX),
+        top_p: s.top_p.unwrap_or(1.0) as f32,
+        min_p: s.min_p.unwrap_or(0.0) as f32,
+        seed: s.seed,
+    };
+    if let Some(bad) = sampling.out_of_range() {
+        // The value as sent: one past f32's range reads as infinity once narrowed.
+        let sent = match bad.field {
+            "temperature" => s.temperature.map(|v| format!("{v:?}")),
+            "top_p" => s.top_p.map(|v| format!("{v:?}")),
+            "min_p" => s.min_p.map(|v| format!("{v:?}")),
+            "top_k" => s.top_k.map(|v| v.to_string()),
+            _ => None,
+        };
         return Err(ApiError::invalid(
-            "temperature",
-            format!("`temperature` must be ≥ 0 (0 = greedy), got {temperature}"),
-        ));
-    }
-    let top_p = s.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid(
-            "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}"),
-        ));
-    }
-    let min_p = s.min_p.unwrap_or(0.0);
-    if !(0.0..1.0).contains(&min_p) {
-        return Err(ApiError::invalid(
-            "min_p",
-            format!("`min_p` must be in [0, 1), got {min_p}"),
+            bad.field,
+            format!(
+                "`{}` must be {}, got {}",
+                bad.field,
+                bad.range,
+                sent.unwrap_or(bad.got)
+            ),
         ));
     }
     let stop = match s.stop {
@@ -611,6 +620,15 @@ fn job(
         Some(StopField::One(s)) => vec![s],
         Some(StopField::Many(list)) => list,
     };
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "`stop` holds {} strings; give at most {MAX_STOP_STRINGS}",
+                stop.len()
+            ),
+        ));
+    }
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid(
             "stop",
@@ -621,13 +639,7 @@ fn job(
         prompt,
         max_tokens: max_tokens.map(|m| m as usize),
         max_tokens_param: param,
-        sampling: SamplingParams {
-            temperature: temperature as f32,
-            top_k: s.top_k.unwrap_or(0) as usize,
-            top_p: top_p as f32,
-            min_p: min_p as f32,
-            seed: s.seed,
-        },
+        sampling,
         stop,
         stream: s.stream.unwrap_or(false),
         logprobs,
@@ -732,6 +744,53 @@ mod tests {
             "{{{msgs},\"logprobs\":false,\"tools\":[],\"n\":1}}"
         ))
         .expect("valid");
+    }
+
+    /// Each numeric field is refused just outside its range, with the range in the
+    /// message, and taken at the range's ends.
+    #[test]
+    fn numeric_fields_are_refused_outside_their_ranges_with_the_range() {
+        let msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let with = |field: &str| format!("{{{msgs},{field}}}");
+        for (field, param, range) in [
+            (r#""temperature":0.0001"#, "temperature", "0.001 to 100"),
+            (r#""temperature":101"#, "temperature", "0.001 to 100"),
+            (r#""temperature":1e300"#, "temperature", "got 1e300"),
+            (r#""top_p":-0.5"#, "top_p", "(0, 1]"),
+            (r#""min_p":1"#, "min_p", "[0, 1)"),
+            (r#""top_k":1000001"#, "top_k", "to 1000000"),
+            (r#""max_tokens":0"#, "max_tokens", "from 1 to 255"),
+            (r#""max_tokens":256"#, "max_tokens", "at most 255"),
+            (
+                r#""top_logprobs":21,"logprobs":true"#,
+                "top_logprobs",
+                "0 to 20",
+            ),
+        ] {
+            let err = refused(&with(field), param);
+            assert!(err.message.contains(range), "{field}: {}", err.message);
+        }
+        let many_stops: Vec<String> = (0..=MAX_STOP_STRINGS).map(|i| format!("s{i}")).collect();
+        let err = refused(
+            &with(&format!(r#""stop":{}"#, serde_json::json!(many_stops))),
+            "stop",
+        );
+        assert!(err.message.contains("at most 16"), "{}", err.message);
+        for field in [
+            r#""temperature":0"#,
+            r#""temperature":0.001"#,
+            r#""temperature":100"#,
+            r#""top_p":1"#,
+            r#""min_p":0"#,
+            r#""top_k":1000000"#,
+            r#""max_tokens":255"#,
+            r#""seed":18446744073709551615"#,
+        ] {
+            chat(&with(field)).unwrap_or_else(|e| panic!("{field}: {}", e.message));
+        }
+        let err = completion_request(br#"{"prompt":"x","logprobs":6}"#, &SERVED)
+            .expect_err("logprobs above 5");
+        assert!(err.message.contains("0 to 5"), "{}", err.message);
     }
 
     /// Errors read in the API's words: JSON types and example shapes, never the Rust
