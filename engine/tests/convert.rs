@@ -397,6 +397,24 @@ fn unsupported_architecture_and_non_gguf_files_are_clear_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("x.gguf") && !err.contains("panicked"), "{err}");
+    assert_eq!(
+        err.matches("x.gguf").count(),
+        1,
+        "the file is named once: {err}"
+    );
+    let missing = tmp.path().join("missing.gguf");
+    let out = Command::new(env!("CARGO_BIN_EXE_dspec"))
+        .args([
+            "convert",
+            missing.to_str().unwrap(),
+            tmp.path().join("o2").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches("missing.gguf").count(), 1, "{err}");
+    assert_eq!(err.matches("os error").count(), 1, "{err}");
 
     for bad in ["2XB", "0", "-5MB", "MB"] {
         let out = Command::new(env!("CARGO_BIN_EXE_dspec"))

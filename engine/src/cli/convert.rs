@@ -37,7 +37,7 @@ pub struct ConvertArgs {
 }
 
 pub fn run(args: ConvertArgs) -> Result<()> {
-    use dspec_engine::formats::convert::{convert_gguf, ConvertOptions};
+    use dspec_engine::formats::convert::{convert_gguf, ConvertError, ConvertOptions};
     let options = ConvertOptions {
         dtype: match args.dtype {
             StoreDtype::Bf16 => Dtype::Bfloat16,
@@ -63,8 +63,12 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     };
-    let report = convert_gguf(&args.gguf, &args.out_dir, options, &progress)
-        .with_context(|| format!("converting {}", args.gguf.display()))?;
+    let report = match convert_gguf(&args.gguf, &args.out_dir, options, &progress) {
+        Ok(report) => report,
+        // The GGUF reader's errors and the file errors name their file already.
+        Err(e @ (ConvertError::Gguf(_) | ConvertError::Io { .. })) => return Err(e.into()),
+        Err(e) => return Err(e).with_context(|| format!("converting {}", args.gguf.display())),
+    };
     bar.finish_and_clear();
     eprintln!(
         "wrote {} ({}, {} tensors in {} file(s))",

@@ -106,7 +106,7 @@ impl TextTokenizer {
 
         // Recent transformers saves the template as its own file and prefers it.
         let jinja_path = dir.join("chat_template.jinja");
-        let chat_template = if jinja_path.is_file() {
+        let chat_template = if is_present(&jinja_path) {
             Some(
                 fs::read_to_string(&jinja_path).map_err(|source| TokenizerError::Read {
                     path: jinja_path.clone(),
@@ -278,8 +278,14 @@ impl TextTokenizer {
     }
 }
 
+/// Whether an optional file is there at all: one that is there but cannot be read (a
+/// directory, a link to a missing file, no permission) is an error, not absent.
+fn is_present(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok()
+}
+
 fn read_optional_json(path: &Path) -> Result<Option<Json>, TokenizerError> {
-    if !path.is_file() {
+    if !is_present(path) {
         return Ok(None);
     }
     let text = fs::read_to_string(path).map_err(|source| TokenizerError::Read {
@@ -589,6 +595,28 @@ pub(crate) mod tests {
         let message = err.to_string();
         assert!(message.contains("generation_config.json"), "{message}");
         assert!(message.contains("eos_token_id"), "{message}");
+        fs::remove_file(dir.path().join("generation_config.json")).unwrap();
+
+        // An optional file that is there but cannot be read is named, not skipped.
+        for name in [
+            "tokenizer_config.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ] {
+            let path = dir.path().join(name);
+            fs::create_dir(&path).unwrap();
+            let err = TextTokenizer::from_dir(dir.path()).unwrap_err();
+            assert!(matches!(err, TokenizerError::Read { .. }), "{name}: {err}");
+            assert!(err.to_string().contains(name), "{err}");
+            fs::remove_dir(&path).unwrap();
+        }
+        #[cfg(unix)]
+        {
+            let path = dir.path().join("tokenizer_config.json");
+            std::os::unix::fs::symlink(dir.path().join("missing-blob"), &path).unwrap();
+            let err = TextTokenizer::from_dir(dir.path()).unwrap_err();
+            assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
+        }
     }
 
     #[test]
