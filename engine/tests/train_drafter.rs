@@ -413,24 +413,25 @@ fn bad_flags_and_bad_data_get_clear_errors() {
         bad_line.contains("train.jsonl:2") && bad_line.contains("\"prompt\""),
         "{bad_line}"
     );
-    for (flag, value, says) in [
-        ("--lr", "0", "--lr must be above 0"),
-        ("--block-size", "1", "--block-size must be between 2 and 64"),
-        ("--anchors", "0", "--anchors must be between 1 and 4096"),
-        (
-            "--taps",
-            "0,99",
-            "--taps: layer 99 is past the target's 2 layers",
-        ),
-        (
-            "--temperature",
-            "5",
-            "--temperature must be between 0 and 2",
-        ),
+    // Ranges are checked as the flags are parsed (exit 2, as for every command).
+    for (flag, value, range) in [
+        ("--lr", "0", "above 0 and at most 1"),
+        ("--block-size", "1", "2 to 64"),
+        ("--anchors", "0", "1 to 4096"),
+        ("--temperature", "5", "from 0 and at most 2"),
+        ("--clip", "-1", "from 0 and at most 1000000"),
     ] {
-        let message = refused(&[flag, value], &good);
-        assert!(message.contains(says), "{flag} {value}: {message}");
+        let message = refused(&[&format!("{flag}={value}")], &good);
+        assert!(
+            message.contains(flag) && message.contains(range),
+            "{flag} {value}: {message}"
+        );
     }
+    let message = refused(&["--taps", "0,99"], &good);
+    assert!(
+        message.contains("--taps: layer 99 is past the target's 2 layers"),
+        "{message}"
+    );
     let message = refused(&["--resume"], &good);
     assert!(
         message.contains("--resume") && message.contains("state.json"),

@@ -138,6 +138,25 @@ pub fn count_in(
     }
 }
 
+/// A clap value parser for a number from `lo` to `hi`, the ends included except `lo`
+/// when `lo_open` (a rate that must be above 0); the message gives the range.
+pub fn number_in(
+    lo: f32,
+    hi: f32,
+    lo_open: bool,
+) -> impl Fn(&str) -> std::result::Result<f32, String> + Clone {
+    move |s: &str| {
+        let above_lo = |x: f32| if lo_open { x > lo } else { x >= lo };
+        match s.trim().parse::<f32>() {
+            Ok(x) if above_lo(x) && x <= hi => Ok(x),
+            _ => Err(format!(
+                "expected a number {} {lo} and at most {hi}, got {s:?}",
+                if lo_open { "above" } else { "from" }
+            )),
+        }
+    }
+}
+
 /// How tokens are sampled; shared by `generate` and `bench` (whose help says what it
 /// does with them).
 #[derive(Args)]

@@ -18,7 +18,7 @@ use dspec_engine::training::spec::{
 };
 use dspec_engine::training::trainer::{train, Length, Progress, TrainOptions};
 
-use super::args::{ModelArgs, PluginArgs};
+use super::args::{count_in, number_in, ModelArgs, PluginArgs};
 use super::interrupt;
 
 #[derive(Args)]
@@ -38,16 +38,16 @@ pub struct TrainDrafterArgs {
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
     /// Optimizer steps (1 to 10,000,000).
-    #[arg(long, conflicts_with = "epochs")]
+    #[arg(long, conflicts_with = "epochs", value_parser = count_in(1, 10_000_000))]
     steps: Option<usize>,
     /// Passes over the data (1 to 1,000; default 3 when --steps is not given).
-    #[arg(long)]
+    #[arg(long, value_parser = count_in(1, 1_000))]
     epochs: Option<usize>,
     /// Draft layers (1 to 64); default 1 for targets under 3B parameters, else 5.
-    #[arg(long)]
+    #[arg(long, value_parser = count_in(1, 64))]
     layers: Option<usize>,
     /// Positions per block, the anchor included (2 to 64); default 16 for DFlash, 7 for DSpark.
-    #[arg(long)]
+    #[arg(long, value_parser = count_in(2, 64))]
     block_size: Option<usize>,
     /// Target layers the drafter reads, comma-separated (default: five spread evenly, as
     /// the published drafters choose them; every layer of a target with five or fewer).
@@ -55,13 +55,13 @@ pub struct TrainDrafterArgs {
     taps: Option<Vec<usize>>,
     /// Peak learning rate of AdamW (above 0, at most 1), reached after a linear warm-up
     /// and decayed to zero on a cosine.
-    #[arg(long, default_value_t = 6e-4)]
+    #[arg(long, default_value_t = 6e-4, value_parser = number_in(0.0, 1.0, true))]
     lr: f32,
     /// Tokens of data per step (64 to 10,000,000): whole sequences are packed up to it.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = 8192, value_parser = count_in(64, 10_000_000))]
     batch_tokens: usize,
     /// Blocks per sequence and step, at random anchor positions (1 to 4,096).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = count_in(1, 4_096))]
     anchors: usize,
     /// Seed of the initial weights, the data order, the anchors and sampled answers.
     #[arg(long, default_value_t = 0)]
@@ -77,41 +77,28 @@ pub struct TrainDrafterArgs {
     eval: Option<PathBuf>,
     /// Save, and measure acceptance on --eval, every this many steps (1 to 10,000,000;
     /// and at the end).
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, value_parser = count_in(1, 10_000_000))]
     eval_every: usize,
     /// Tokens generated per --eval prompt (1 to 4,096).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = count_in(1, 4_096))]
     eval_tokens: usize,
     /// Sampling temperature of the target's answers (0 to 2; 0 is greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = number_in(0.0, 2.0, false))]
     temperature: f32,
     /// Most tokens of one answer the target writes (1 to 32,768).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = count_in(1, 32_768))]
     answer_tokens: usize,
     /// Longest training sequence, prompt and answer together (8 to 131,072); longer ones are cut.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = count_in(8, 131_072))]
     max_seq_tokens: usize,
-    /// γ of the loss's weighting of block position k by exp(−(k−1)/γ) (above 0; default
-    /// 7 for DFlash, 4 for DSpark, as published).
-    #[arg(long)]
+    /// γ of the loss's weighting of block position k by exp(−(k−1)/γ) (above 0, at most
+    /// 1000; default 7 for DFlash, 4 for DSpark, as published).
+    #[arg(long, value_parser = number_in(0.0, 1000.0, true))]
     gamma: Option<f32>,
     /// Largest global gradient norm, 0 to 1,000,000; larger gradients are scaled down
     /// (0 turns it off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = number_in(0.0, 1e6, false))]
     clip: f32,
-}
-
-/// `value` when it lies in `lo..=hi`, else an error naming the flag and the range.
-fn within<T: PartialOrd + std::fmt::Display + Copy>(
-    flag: &str,
-    value: T,
-    lo: T,
-    hi: T,
-) -> Result<T> {
-    if !(value >= lo && value <= hi) {
-        bail!("{flag} must be between {lo} and {hi}, got {value}");
-    }
-    Ok(value)
 }
 
 /// MLX settings for a training process, unless the user set them. Every step builds
@@ -132,32 +119,14 @@ fn mlx_settings_for_training() {
 
 pub fn run(args: TrainDrafterArgs, plugins: &PluginArgs) -> Result<()> {
     mlx_settings_for_training();
+    // Flags are range-checked as they are parsed; the defaults lie in their ranges.
     let length = match (args.steps, args.epochs) {
-        (Some(s), _) => Length::Steps(within("--steps", s, 1, 10_000_000)?),
-        (None, Some(e)) => Length::Epochs(within("--epochs", e, 1, 1_000)?),
+        (Some(s), _) => Length::Steps(s),
+        (None, Some(e)) => Length::Epochs(e),
         (None, None) => Length::Epochs(3),
     };
-    if !(args.lr > 0.0 && args.lr <= 1.0) {
-        bail!("--lr must be above 0 and at most 1, got {}", args.lr);
-    }
-    within("--batch-tokens", args.batch_tokens, 64, 10_000_000)?;
-    within("--anchors", args.anchors, 1, 4_096)?;
-    within("--eval-every", args.eval_every, 1, 10_000_000)?;
-    within("--eval-tokens", args.eval_tokens, 1, 4_096)?;
-    within("--temperature", args.temperature, 0.0, 2.0)?;
-    within("--answer-tokens", args.answer_tokens, 1, 32_768)?;
-    within("--max-seq-tokens", args.max_seq_tokens, 8, 131_072)?;
-    within("--clip", args.clip, 0.0, 1e6)?;
     let gamma = args.gamma.unwrap_or(args.kind.default_gamma());
-    if !(gamma > 0.0 && gamma.is_finite()) {
-        bail!("--gamma must be above 0, got {gamma}");
-    }
-    let block_size = within(
-        "--block-size",
-        args.block_size.unwrap_or(args.kind.default_block_size()),
-        2,
-        64,
-    )?;
+    let block_size = args.block_size.unwrap_or(args.kind.default_block_size());
 
     let backend = Backend::detect();
     let options = args.model.load_options(backend);
@@ -176,12 +145,7 @@ pub fn run(args: TrainDrafterArgs, plugins: &PluginArgs) -> Result<()> {
              drafts through the target's own head"
         );
     }
-    let layers = within(
-        "--layers",
-        args.layers.unwrap_or_else(|| default_layers(&common)),
-        1,
-        64,
-    )?;
+    let layers = args.layers.unwrap_or_else(|| default_layers(&common));
     let taps = match args.taps.clone() {
         Some(t) if t.is_empty() => bail!("--taps: give at least one target layer"),
         Some(t) => t,
