@@ -1268,7 +1268,7 @@ fn dspark_checkpoint_drafts_through_the_cli_with_its_options() {
         assert_eq!(spec["text"], plain["text"], "{extra:?}");
         assert_eq!(spec["speculative"]["drafter"], "dspark");
     }
-    let err = dspec_fails(&[
+    let out = dspec(&[
         "generate",
         "--target",
         m,
@@ -1279,7 +1279,12 @@ fn dspark_checkpoint_drafts_through_the_cli_with_its_options() {
         "--confidence-threshold",
         "2",
     ]);
-    assert!(err.contains("--confidence-threshold"), "{err}");
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--confidence-threshold") && err.contains("from 0 and at most 1"),
+        "{err}"
+    );
     // A qwen3 target of another vocabulary size does not fit a gemma4 drafter.
     let other = tiny_model(r#"{"model_type": "qwen3", "head_dim": 16, "vocab_size": 300}"#);
     let out = dspec(&[

@@ -232,8 +232,8 @@ pub struct DraftTuning {
     /// (default: DSpark 4, or 0 on CUDA; others full precision).
     #[arg(long, value_enum)]
     drafter_bits: Option<DrafterBits>,
-    /// Cut a DSpark block where the drafter's confidence drops below this (0..1).
-    #[arg(long)]
+    /// Cut a DSpark block where the drafter's confidence drops below this (0 to 1).
+    #[arg(long, value_parser = number_in(0.0, 1.0, false))]
     confidence_threshold: Option<f32>,
     /// A draft model keeps drafting on its own thread while the target verifies, so the
     /// next round's drafts are often ready.
@@ -374,11 +374,6 @@ impl DraftTuning {
 
     /// `max_new_tokens`: `--max-tokens`, so a draft model can size its cache once.
     pub fn options(&self, target_dtype: Dtype, max_new_tokens: usize) -> Result<DrafterOptions> {
-        if let Some(t) = self.confidence_threshold {
-            if !(0.0..=1.0).contains(&t) {
-                bail!("--confidence-threshold must be between 0 and 1, got {t}");
-            }
-        }
         Ok(DrafterOptions {
             bits: self.drafter_bits.map(DrafterBits::bits),
             confidence_threshold: self.confidence_threshold,
