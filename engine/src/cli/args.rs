@@ -435,11 +435,12 @@ pub struct DistributedArgs {
     /// mlx.launch.
     #[arg(long, value_name = "FILE", requires = "mlx_rank")]
     mlx_hostfile: Option<PathBuf>,
-    /// This process's rank in --mlx-hostfile (0 for the first).
-    #[arg(long, value_name = "N", requires = "mlx_hostfile")]
+    /// This process's rank in --mlx-hostfile, from 0 (the first) to its ranks less one.
+    #[arg(long, value_name = "N", requires = "mlx_hostfile", value_parser = clap::value_parser!(i32).range(0..))]
     mlx_rank: Option<i32>,
     /// Seconds a rank waits for the group to form, or goes without progress while
-    /// computing with it, before it exits with an error naming the ranks it waits on.
+    /// computing with it, before it exits with an error naming the ranks it waits on
+    /// (1 or more).
     #[arg(long, default_value_t = 300, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
     distributed_timeout: u64,
 }

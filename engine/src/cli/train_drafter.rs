@@ -49,7 +49,8 @@ pub struct TrainDrafterArgs {
     /// Positions per block, the anchor included (2 to 64); default 16 for DFlash, 7 for DSpark.
     #[arg(long, value_parser = count_in(2, 64))]
     block_size: Option<usize>,
-    /// Target layers the drafter reads, comma-separated (default: five spread evenly, as
+    /// Target layers the drafter reads, comma-separated, each from 0 to the target's layers
+    /// less one (default: five spread evenly, as
     /// the published drafters choose them; every layer of a target with five or fewer).
     #[arg(long, value_delimiter = ',')]
     taps: Option<Vec<usize>>,
@@ -63,7 +64,8 @@ pub struct TrainDrafterArgs {
     /// Blocks per sequence and step, at random anchor positions (1 to 4,096).
     #[arg(long, default_value_t = 64, value_parser = count_in(1, 4_096))]
     anchors: usize,
-    /// Seed of the initial weights, the data order, the anchors and sampled answers.
+    /// Seed of the initial weights, the data order, the anchors and sampled answers
+    /// (0 to 2^64 − 1).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Feed prompts as raw text instead of through the target's chat template.
