@@ -470,25 +470,31 @@ fn socket_address(fd: i32, peer: bool) -> Option<std::net::SocketAddr> {
     }
 }
 
-/// Whether TCP socket `fd` is still an established connection (not closed by its peer,
-/// reset, or gone).
+/// Socket `fd` of this process, to be watched while it stays open.
+#[cfg(target_os = "linux")]
+fn borrowed(fd: i32) -> rustix::fd::BorrowedFd<'static> {
+    // SAFETY: the ring's sockets stay open as long as the group, which outlives every
+    // watch of them; they are only polled, never read or closed here.
+    unsafe { rustix::fd::BorrowedFd::borrow_raw(fd) }
+}
+
+/// Whether TCP socket `fd` is still a connection both ends hold open: not closed by its
+/// peer (which reads as a hang-up of the peer's half), reset, or in error.
 #[cfg(target_os = "linux")]
 fn connection_is_open(fd: i32) -> bool {
-    const TCP_ESTABLISHED: u8 = 1;
-    // `struct tcp_info` starts with the connection state; the kernel fills what fits.
-    let mut info = [0u8; 256];
-    let mut len = info.len() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes into `info`.
-    let status = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            info.as_mut_ptr() as *mut libc::c_void,
-            &mut len,
-        )
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let fd = borrowed(fd);
+    let mut fds = [PollFd::new(&fd, PollFlags::RDHUP)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
     };
-    status == 0 && info[0] == TCP_ESTABLISHED
+    match poll(&mut fds, Some(&now)) {
+        Ok(_) => !fds[0]
+            .revents()
+            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR | PollFlags::NVAL),
+        Err(_) => false,
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -500,27 +506,17 @@ fn connection_is_open(_fd: i32) -> bool {
 /// are none.
 #[cfg(target_os = "linux")]
 fn wait_readable(connections: &[(i32, i32, String)]) {
-    let mut fds: Vec<libc::pollfd> = connections
-        .iter()
-        .map(|(fd, _, _)| libc::pollfd {
-            fd: *fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    if fds.is_empty() {
+    use rustix::event::{poll, PollFd, PollFlags};
+    if connections.is_empty() {
         return;
     }
-    loop {
-        // SAFETY: poll reads and writes `fds.len()` entries of `fds`, which it owns for
-        // the call; the descriptors are only watched, never read.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-        let interrupted =
-            ready < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted;
-        if !interrupted {
-            return;
-        }
-    }
+    let fds: Vec<_> = connections.iter().map(|(fd, _, _)| borrowed(*fd)).collect();
+    let mut watched: Vec<PollFd<'_>> = fds
+        .iter()
+        .map(|fd| PollFd::new(fd, PollFlags::IN | PollFlags::RDHUP))
+        .collect();
+    // A signal interrupts the wait; anything else ends it (the watch then looks).
+    while let Err(rustix::io::Errno::INTR) = poll(&mut watched, None) {}
 }
 
 #[cfg(not(target_os = "linux"))]
