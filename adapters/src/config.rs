@@ -10,7 +10,7 @@ use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::{LoadRequest, TargetModel, WeightSource};
 
 use crate::attention::AttentionSpec;
-use crate::layers::{Activation, NormWeight, Rope};
+use crate::layers::{Activation, ExpertsSpec, NormWeight, Rope};
 use crate::transformer::{Decoder, DecoderSpec, NormLayout};
 use crate::weights::ProgressWeights;
 
@@ -49,6 +49,89 @@ pub struct CommonConfig {
     /// Per-layer attention kind ("full_attention" | "sliding_attention"), when given.
     pub layer_types: Option<Vec<String>>,
     pub sliding_window: Option<i32>,
+}
+
+fn default_sparse_step() -> i32 {
+    1
+}
+
+/// The mixture-of-experts fields of Qwen's MoE configs (HF names; transformers 5 saves
+/// `num_experts` as `num_local_experts`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct MoeConfig {
+    #[serde(alias = "num_local_experts")]
+    pub num_experts: Option<i32>,
+    pub num_experts_per_tok: Option<i32>,
+    pub moe_intermediate_size: Option<i32>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    pub shared_expert_intermediate_size: Option<i32>,
+    /// Layers whose MLP stays dense.
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+    /// Every `decoder_sparse_step`-th layer (counting from 1) is sparse.
+    #[serde(default = "default_sparse_step")]
+    pub decoder_sparse_step: i32,
+}
+
+impl MoeConfig {
+    /// Each of `layers` layers' experts, `None` for a dense one; `default_experts` where
+    /// the config gives no `num_experts` (0: no experts). Values that cannot work are
+    /// refused, naming `path`.
+    pub fn experts_per_layer(
+        &self,
+        layers: usize,
+        default_experts: i32,
+        path: &Path,
+    ) -> Result<Vec<Option<ExpertsSpec>>> {
+        let experts = self.num_experts.unwrap_or(default_experts);
+        if experts == 0 {
+            return Ok(Vec::new());
+        }
+        let bad = |message: String| Err(ModelError::config(path, message));
+        if experts < 0 {
+            return bad(format!("`num_experts` must be 0 or more, got {experts}"));
+        }
+        let Some(top_k) = self.num_experts_per_tok else {
+            return bad("a mixture-of-experts config needs `num_experts_per_tok`".into());
+        };
+        if !(1..=experts).contains(&top_k) {
+            return bad(format!(
+                "`num_experts_per_tok` must be from 1 to num_experts ({experts}), got {top_k}"
+            ));
+        }
+        let Some(inner) = self.moe_intermediate_size else {
+            return bad("a mixture-of-experts config needs `moe_intermediate_size`".into());
+        };
+        if inner <= 0 {
+            return bad(format!(
+                "`moe_intermediate_size` must be positive, got {inner}"
+            ));
+        }
+        let shared_inner = self.shared_expert_intermediate_size.filter(|&n| n != 0);
+        if let Some(n) = shared_inner.filter(|&n| n < 0) {
+            return bad(format!(
+                "`shared_expert_intermediate_size` must be 0 or more, got {n}"
+            ));
+        }
+        if self.decoder_sparse_step <= 0 {
+            return bad(format!(
+                "`decoder_sparse_step` must be positive, got {}",
+                self.decoder_sparse_step
+            ));
+        }
+        let spec = ExpertsSpec {
+            experts,
+            top_k,
+            inner,
+            norm_topk_prob: self.norm_topk_prob,
+            shared_inner,
+        };
+        let step = self.decoder_sparse_step as usize;
+        Ok((0..layers)
+            .map(|i| (!self.mlp_only_layers.contains(&i) && (i + 1) % step == 0).then_some(spec))
+            .collect())
+    }
 }
 
 impl CommonConfig {
@@ -134,6 +217,7 @@ impl CommonConfig {
             layer_scalar: false,
             max_position_embeddings: self.max_position_embeddings,
             layers: Vec::new(),
+            experts: Vec::new(),
         })
     }
 

@@ -1,7 +1,9 @@
 //! dspec's built-in target families, one file per config.json `model_type`, each a
 //! config → [`transformer::DecoderSpec`] mapping over shared layers (or, for the hybrid
 //! linear-attention families, a [`hybrid::HybridSpec`]), self-registered with
-//! `inventory`. To add a family: copy the closest file and adjust.
+//! `inventory`. To add a family: copy the closest file and adjust. Mixture-of-experts
+//! families (`qwen3_moe`, and the hybrids' sparse configs) put [`layers::SparseMoe`] in
+//! place of the dense MLP on their sparse layers.
 //!
 //! Modules depend one way: [`layers`] ← [`attention`] ← [`transformer`] ← [`config`] ←
 //! the family files and [`lora`]; [`layers`] ← [`gated_delta`] ← [`hybrid`] ← the hybrid
@@ -34,6 +36,7 @@ mod mistral;
 mod qwen2;
 mod qwen3;
 mod qwen3_5;
+mod qwen3_moe;
 mod qwen3_next;
 
 /// Forces the linker to keep this crate (and so its `inventory` registrations) in

@@ -20,7 +20,8 @@ struct Qwen3Config {
     attention_bias: bool,
 }
 
-fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
+/// The dense Qwen3 decoder `config` describes; Qwen3-MoE builds on it.
+pub(crate) fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let cfg: Qwen3Config = parse_config(config, dir)?;
     let c = &cfg.common;
     let path = dir.join("config.json");

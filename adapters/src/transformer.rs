@@ -17,7 +17,10 @@ use crate::attention::{
 };
 use crate::continuation::ContinuationLayout;
 use crate::cuda;
-use crate::layers::{softcap, Activation, Embedding, GatedMlp, Linear, NormWeight, RmsNorm};
+use crate::layers::{
+    softcap, Activation, Embedding, ExpertsSpec, FeedForward, FeedForwardSpec, Linear, NormWeight,
+    RmsNorm,
+};
 use crate::tensor_parallel::TensorParallel;
 
 /// Where the norms sit around each sub-block.
@@ -54,13 +57,16 @@ pub struct DecoderSpec {
     pub max_position_embeddings: Option<usize>,
     /// One entry per decoder layer.
     pub layers: Vec<AttentionSpec>,
+    /// Per decoder layer, its experts where its MLP is a mixture of experts; layers past
+    /// the end (all of them when empty) have a dense MLP.
+    pub experts: Vec<Option<ExpertsSpec>>,
 }
 
 /// One decoder block (attention + MLP with the family's norms), as the target runs it
 /// and as drafters built from the same families (DFlash, DSpark) run it over a draft block.
 pub struct DecoderLayer {
     attn: Attention,
-    mlp: GatedMlp,
+    mlp: FeedForward,
     input_norm: RmsNorm,
     post_attn_norm: RmsNorm,
     /// Sandwich layout only: norm before the MLP and after it.
@@ -77,16 +83,18 @@ impl DecoderLayer {
         spec: &DecoderSpec,
         attn_spec: &AttentionSpec,
     ) -> Result<Self> {
-        Self::load_parallel(w, prefix, spec, attn_spec, None)
+        Self::load_parallel(w, prefix, spec, attn_spec, None, None)
     }
 
     /// [`DecoderLayer::load`] of this rank's share under `tp`: attention heads and MLP
-    /// hidden units split across the group (norms whole on every rank).
+    /// hidden units split across the group (norms whole on every rank); a mixture of
+    /// `experts` in place of the dense MLP when given.
     pub fn load_parallel(
         w: &mut dyn WeightSource,
         prefix: &str,
         spec: &DecoderSpec,
         attn_spec: &AttentionSpec,
+        experts: Option<ExpertsSpec>,
         tp: Option<&TensorParallel>,
     ) -> Result<Self> {
         let (h, eps, style) = (spec.hidden_size, spec.rms_norm_eps, spec.norm_weight);
@@ -104,13 +112,16 @@ impl DecoderLayer {
                 norm(w, "post_feedforward_layernorm")?,
             )),
         };
-        let mlp = GatedMlp::load_parallel(
+        let mlp = FeedForward::load(
             w,
             &format!("{prefix}.mlp"),
-            h,
-            spec.intermediate_size,
-            spec.mlp_bias,
-            spec.activation,
+            FeedForwardSpec {
+                hidden: h,
+                inner: spec.intermediate_size,
+                bias: spec.mlp_bias,
+                act: spec.activation,
+                experts,
+            },
             tp,
         )?;
         let layer_scalar = if spec.layer_scalar {
@@ -206,12 +217,18 @@ fn step_weight_bytes(spec: &DecoderSpec, bytes_per_weight: f64) -> f64 {
     let layers: f64 = spec
         .layers
         .iter()
-        .map(|a| {
+        .enumerate()
+        .map(|(i, a)| {
             let (q, kv) = (
                 (a.heads * a.head_dim) as f64,
                 (a.kv_heads * a.head_dim) as f64,
             );
-            hidden * (2.0 * q + 2.0 * kv) + 3.0 * hidden * spec.intermediate_size as f64
+            // A step reads only the experts its token was routed to.
+            let mlp_inner = match spec.experts.get(i).copied().flatten() {
+                Some(e) => (e.top_k * e.inner + e.shared_inner.unwrap_or(0)) as f64,
+                None => spec.intermediate_size as f64,
+            };
+            hidden * (2.0 * q + 2.0 * kv) + 3.0 * hidden * mlp_inner
         })
         .sum();
     (layers + hidden * spec.vocab_size as f64) * bytes_per_weight
@@ -287,6 +304,7 @@ impl Decoder {
                 &format!("{p}layers.{i}"),
                 &spec,
                 attn_spec,
+                spec.experts.get(i).copied().flatten(),
                 tp,
             )?);
         }

@@ -392,6 +392,7 @@ impl DSparkConfig {
             layer_scalar: gemma,
             max_position_embeddings: None,
             layers: vec![attention; self.num_hidden_layers as usize],
+            experts: Vec::new(),
         })
     }
 }

@@ -2,7 +2,7 @@
 //! MLX-quantized), RMSNorm, rotary embeddings with the HF scaling variants, gated MLPs.
 //!
 //! One concept per file. The model-facing layers ([`Linear`], [`Embedding`],
-//! [`RmsNorm`], [`Rope`], [`GatedMlp`]) sit over how their products are computed:
+//! [`RmsNorm`], [`Rope`], [`GatedMlp`], [`SparseMoe`]) sit over how their products are computed:
 //! MLX's affine quantization (`quantized`), dense products (`dense`) and the two rules
 //! that keep speculative decoding exact, the row layout (`row_layout`) and the CPU's
 //! BLAS layout and padding (`cpu_layout`).
@@ -11,6 +11,8 @@ mod activation;
 mod cpu_layout;
 mod dense;
 mod embedding;
+mod experts;
+mod feed_forward;
 mod linear;
 mod lora_delta;
 mod mlp;
@@ -23,6 +25,8 @@ mod views;
 
 pub use activation::{softcap, Activation};
 pub use embedding::Embedding;
+pub use experts::{ExpertsSpec, SparseMoe};
+pub use feed_forward::{FeedForward, FeedForwardSpec};
 pub use linear::Linear;
 pub use mlp::GatedMlp;
 pub use norm::{rms_norm_unscaled, NormWeight, RmsNorm};
