@@ -10,9 +10,9 @@ use super::experts::{ExpertsSpec, SparseMoe};
 use super::mlp::GatedMlp;
 use crate::tensor_parallel::TensorParallel;
 
+/// Each kind boxed: they differ in size by hundreds of bytes, and a layer holds one.
 pub enum FeedForward {
-    Dense(GatedMlp),
-    /// Boxed: a layer's experts carry many more handles than a dense MLP.
+    Dense(Box<GatedMlp>),
     Experts(Box<SparseMoe>),
 }
 
@@ -36,7 +36,7 @@ impl FeedForward {
         tp: Option<&TensorParallel>,
     ) -> Result<Self> {
         match spec.experts {
-            None => Ok(FeedForward::Dense(GatedMlp::load_parallel(
+            None => Ok(FeedForward::Dense(Box::new(GatedMlp::load_parallel(
                 w,
                 prefix,
                 spec.hidden,
@@ -44,7 +44,7 @@ impl FeedForward {
                 spec.bias,
                 spec.act,
                 tp,
-            )?)),
+            )?))),
             Some(_) if tp.is_some() => Err(ModelError::Unsupported(format!(
                 "{prefix}: tensor parallelism over mixture-of-experts layers is not \
                  implemented; run this model on one device"

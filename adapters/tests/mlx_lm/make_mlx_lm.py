@@ -53,6 +53,22 @@ Install and run (from the repository root; CPU only, a few seconds):
 
 Optional arguments: case names to build only those (default: all).
 
+mlx 0.32.3, not 0.32.2: mlx-lm 0.32.2's quantized expert layer passes
+`global_scale=` to mx.gather_qmm, which mlx 0.32.2 does not accept (the q4
+cases fail there); 0.32.3 is the first mlx that does. The f32 outputs are
+byte-identical under both.
+
+Every case is checked before it is written: the reloaded model's logits equal
+the in-memory model's exactly; mlx-lm's generate_step and a plain
+make_prompt_cache + __call__ loop give the same 24 tokens; at least
+MIN_DISTINCT different ids; and no near ties (top-1 minus top-2 logit at
+least MIN_LOGIT_GAP at every step, k-th minus (k+1)-th router probability at
+least MIN_ROUTER_GAP at every layer and position), so that an implementation
+that rounds differently from mlx still picks the same tokens and experts.
+The seeds in CASES are the first, counting up from a base, that pass all of
+this for both the f32 and the q4 case of a family. Output is deterministic:
+rerunning rewrites the same bytes.
+
 CI never runs this script: its outputs are committed, and dspec's tests read
 them. Rerun it only to regenerate the reference on purpose.
 """
