@@ -28,6 +28,8 @@ fn default_theta() -> f32 {
 pub struct CommonConfig {
     pub vocab_size: i32,
     pub hidden_size: i32,
+    /// The dense MLP's hidden units; absent (0) where every layer has experts.
+    #[serde(default)]
     pub intermediate_size: i32,
     pub num_hidden_layers: i32,
     pub num_attention_heads: i32,
@@ -92,6 +94,20 @@ impl MoeConfig {
         if experts < 0 {
             return bad(format!("`num_experts` must be 0 or more, got {experts}"));
         }
+        if self.decoder_sparse_step <= 0 {
+            return bad(format!(
+                "`decoder_sparse_step` must be positive, got {}",
+                self.decoder_sparse_step
+            ));
+        }
+        let step = self.decoder_sparse_step as usize;
+        let sparse: Vec<bool> = (0..layers)
+            .map(|i| !self.mlp_only_layers.contains(&i) && (i + 1) % step == 0)
+            .collect();
+        if !sparse.contains(&true) {
+            // Every MLP dense: the routing fields play no part.
+            return Ok(Vec::new());
+        }
         let Some(top_k) = self.num_experts_per_tok else {
             return bad("a mixture-of-experts config needs `num_experts_per_tok`".into());
         };
@@ -114,12 +130,6 @@ impl MoeConfig {
                 "`shared_expert_intermediate_size` must be 0 or more, got {n}"
             ));
         }
-        if self.decoder_sparse_step <= 0 {
-            return bad(format!(
-                "`decoder_sparse_step` must be positive, got {}",
-                self.decoder_sparse_step
-            ));
-        }
         let spec = ExpertsSpec {
             experts,
             top_k,
@@ -127,10 +137,7 @@ impl MoeConfig {
             norm_topk_prob: self.norm_topk_prob,
             shared_inner,
         };
-        let step = self.decoder_sparse_step as usize;
-        Ok((0..layers)
-            .map(|i| (!self.mlp_only_layers.contains(&i) && (i + 1) % step == 0).then_some(spec))
-            .collect())
+        Ok(sparse.into_iter().map(|s| s.then_some(spec)).collect())
     }
 }
 
@@ -244,7 +251,6 @@ impl CommonConfig {
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.kv_heads()),
@@ -254,6 +260,16 @@ impl CommonConfig {
             return Err(ModelError::config(
                 path,
                 format!("`{name}` must be positive, got {value}"),
+            ));
+        }
+        // 0 (absent) only where every layer has experts: a dense layer refuses it.
+        if self.intermediate_size < 0 {
+            return Err(ModelError::config(
+                path,
+                format!(
+                    "`intermediate_size` must be positive, got {}",
+                    self.intermediate_size
+                ),
             ));
         }
         // Values no model can have: each would make every logit NaN or infinite, and

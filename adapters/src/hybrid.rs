@@ -26,12 +26,14 @@ use dspec_runtime::slicing::slice_axis;
 use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
 };
-use crate::config::CommonConfig;
+use crate::config::{CommonConfig, MoeConfig};
 use crate::continuation::ContinuationLayout;
 use crate::gated_delta::{
     read_conv_weight, CheckpointLayout, DeltaNetSpec, GatedDeltaNet, ProjectionLayout,
 };
-use crate::layers::{Activation, Embedding, GatedMlp, Linear, RmsNorm, Rope};
+use crate::layers::{
+    Activation, Embedding, ExpertsSpec, FeedForward, FeedForwardSpec, Linear, RmsNorm, Rope,
+};
 
 /// States a recurrent layer keeps for rolling back until the engine says how many it
 /// needs ([`ModelCache::set_rollback_window`]): enough for `--max-draft auto`'s 8
@@ -44,10 +46,6 @@ fn default_interval() -> usize {
 
 fn default_partial_rotary() -> f32 {
     0.25
-}
-
-fn default_sparse_step() -> i32 {
-    1
 }
 
 /// The config.json fields both hybrid families share (HF names), next to the common
@@ -71,11 +69,8 @@ pub struct HybridConfig {
     /// `rope_parameters`.
     pub partial_rotary_factor: Option<f32>,
     /// Mixture-of-experts fields (Qwen3-Next's MLPs are sparse unless these say not).
-    pub num_experts: Option<i32>,
-    #[serde(default)]
-    pub mlp_only_layers: Vec<usize>,
-    #[serde(default = "default_sparse_step")]
-    pub decoder_sparse_step: i32,
+    #[serde(flatten)]
+    pub moe: MoeConfig,
 }
 
 /// What one layer mixes positions with.
@@ -102,6 +97,8 @@ pub struct HybridSpec {
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: Option<usize>,
     pub layers: Vec<MixerSpec>,
+    /// Per layer, its experts where its MLP is a mixture of experts (none past the end).
+    pub experts: Vec<Option<ExpertsSpec>>,
 }
 
 impl HybridConfig {
@@ -118,29 +115,7 @@ impl HybridConfig {
         c.validate(path)?;
         self.validate(path)?;
         let layers = c.num_hidden_layers as usize;
-        let experts = self.num_experts.unwrap_or(default_experts);
-        if experts > 0 {
-            if self.decoder_sparse_step <= 0 {
-                return Err(ModelError::config(
-                    path,
-                    format!(
-                        "`decoder_sparse_step` must be positive, got {}",
-                        self.decoder_sparse_step
-                    ),
-                ));
-            }
-            let step = self.decoder_sparse_step as usize;
-            if let Some(i) =
-                (0..layers).find(|i| !self.mlp_only_layers.contains(i) && (i + 1) % step == 0)
-            {
-                return Err(ModelError::Unsupported(format!(
-                    "{}: layer {i} has a mixture-of-experts MLP (num_experts = {experts}); dspec \
-                     runs dense {model_type} models only (num_experts 0, or every layer in \
-                     mlp_only_layers). Mixture-of-experts layers are not implemented yet",
-                    path.display()
-                )));
-            }
-        }
+        let experts = self.moe.experts_per_layer(layers, default_experts, path)?;
         let (theta, rope_parameters) = c.rope();
         let partial = rope_parameters["partial_rotary_factor"]
             .as_f64()
@@ -220,6 +195,7 @@ impl HybridConfig {
             tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings: c.max_position_embeddings,
             layers: specs,
+            experts,
         })
     }
 
@@ -270,7 +246,7 @@ enum Mixer {
 
 struct HybridLayer {
     mixer: Mixer,
-    mlp: GatedMlp,
+    mlp: FeedForward,
     input_norm: RmsNorm,
     post_norm: RmsNorm,
 }
@@ -367,13 +343,16 @@ impl HybridDecoder {
                 eps,
                 style,
             )?;
-            let mlp = GatedMlp::load_parallel(
+            let mlp = FeedForward::load(
                 w,
                 &format!("{lp}.mlp"),
-                h,
-                spec.intermediate_size,
-                false,
-                spec.activation,
+                FeedForwardSpec {
+                    hidden: h,
+                    inner: spec.intermediate_size,
+                    bias: false,
+                    act: spec.activation,
+                    experts: spec.experts.get(i).copied().flatten(),
+                },
                 None,
             )?;
             layers.push(HybridLayer {
@@ -789,14 +768,29 @@ mod tests {
             let err = load_error(&with(&qwen3_5_config(), overrides));
             assert!(err.contains(expected), "{overrides}: {err}");
         }
-        // Qwen3-Next's MLPs are mixtures of experts unless the config says otherwise.
+        // Qwen3-Next's MLPs are mixtures of experts unless the config says otherwise, and
+        // then the config must say how they route.
         let mut moe: serde_json::Value = serde_json::from_str(&qwen3_next_config()).expect("json");
         moe.as_object_mut().expect("object").remove("num_experts");
         let err = load_error(&moe.to_string());
-        assert!(
-            err.contains("mixture-of-experts") && err.contains("num_experts = 512"),
-            "{err}"
-        );
+        assert!(err.contains("num_experts_per_tok"), "{err}");
+        for (overrides, expected) in [
+            (
+                r#"{"num_experts": 4, "num_experts_per_tok": 5, "moe_intermediate_size": 8}"#,
+                "from 1 to num_experts (4)",
+            ),
+            (
+                r#"{"num_experts": 4, "num_experts_per_tok": 2}"#,
+                "moe_intermediate_size",
+            ),
+            (
+                r#"{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "decoder_sparse_step": 0}"#,
+                "decoder_sparse_step",
+            ),
+        ] {
+            let err = load_error(&with(&qwen3_next_config(), overrides));
+            assert!(err.contains(expected), "{overrides}: {err}");
+        }
         let dense_layers = with(
             &qwen3_next_config(),
             r#"{"num_experts": 8, "mlp_only_layers": [0, 1, 2]}"#,

@@ -36,6 +36,7 @@ mod mistral;
 mod qwen2;
 mod qwen3;
 mod qwen3_5;
+mod qwen3_5_moe;
 mod qwen3_moe;
 mod qwen3_next;
 

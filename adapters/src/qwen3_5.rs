@@ -1,4 +1,4 @@
-//! Qwen3.5 (dense): the hybrid decoder (hybrid.rs) with separate Gated DeltaNet
+//! Qwen3.5: the hybrid decoder (hybrid.rs) with separate Gated DeltaNet
 //! projections (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Released
 //! checkpoints are multimodal: the text model's config is nested under `text_config`
 //! and its tensors named `model.language_model.` (HF) or `language_model.model.` (mlx-lm
@@ -25,7 +25,8 @@ struct Nested {
     tie_word_embeddings: Option<bool>,
 }
 
-fn spec(config: &serde_json::Value, dir: &Path) -> Result<HybridSpec> {
+/// The hybrid decoder of a Qwen3.5 config, nested or flat; Qwen3.5-MoE's too.
+pub(crate) fn spec(config: &serde_json::Value, dir: &Path) -> Result<HybridSpec> {
     let path = dir.join("config.json");
     let (cfg, top_tie) = match config.get("text_config") {
         Some(_) => {
@@ -48,7 +49,7 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<HybridSpec> {
     Ok(spec)
 }
 
-fn build(
+pub(crate) fn build(
     config: &serde_json::Value,
     dir: &Path,
     weights: &mut dyn WeightSource,
@@ -56,7 +57,7 @@ fn build(
     Ok(Box::new(HybridDecoder::load(spec(config, dir)?, weights)?))
 }
 
-fn load(req: &LoadRequest) -> Result<Box<dyn TargetModel>> {
+pub(crate) fn load(req: &LoadRequest) -> Result<Box<dyn TargetModel>> {
     let spec = spec(req.config, req.dir)?;
     Ok(Box::new(HybridDecoder::load(
         spec,

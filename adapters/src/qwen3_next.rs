@@ -1,6 +1,7 @@
-//! Qwen3-Next (dense): the hybrid decoder (hybrid.rs) with Gated DeltaNet projections
-//! fused per key head (`in_proj_qkvz`, `in_proj_ba`). Mixture-of-experts MLPs, which
-//! every released Qwen3-Next has, are refused with a message until they are implemented.
+//! Qwen3-Next (Qwen3-Next-80B-A3B): the hybrid decoder (hybrid.rs) with Gated DeltaNet
+//! projections fused per key head (`in_proj_qkvz`, `in_proj_ba`), and as released a
+//! mixture of experts with a gated shared expert in every MLP (`num_experts` 0 gives
+//! dense MLPs).
 
 use std::path::Path;
 
@@ -66,6 +67,20 @@ mod tests {
         check_family(&with(
             &with(TINY_LLAMA, TINY_QWEN3_5_OVERRIDES),
             TINY_QWEN3_NEXT_OVERRIDES,
+        ));
+    }
+
+    /// As released: experts on every layer, with a gated shared expert.
+    #[test]
+    fn tiny_qwen3_next_moe_conforms() {
+        let moe = r#"{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "norm_topk_prob": true}"#;
+        check_family(&with(
+            &with(
+                &with(TINY_LLAMA, TINY_QWEN3_5_OVERRIDES),
+                TINY_QWEN3_NEXT_OVERRIDES,
+            ),
+            moe,
         ));
     }
 }

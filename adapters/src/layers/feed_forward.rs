@@ -36,6 +36,10 @@ impl FeedForward {
         tp: Option<&TensorParallel>,
     ) -> Result<Self> {
         match spec.experts {
+            None if spec.inner <= 0 => Err(ModelError::Unsupported(format!(
+                "{prefix}: a dense MLP needs config.json's `intermediate_size` (positive), got {}",
+                spec.inner
+            ))),
             None => Ok(FeedForward::Dense(Box::new(GatedMlp::load_parallel(
                 w,
                 prefix,

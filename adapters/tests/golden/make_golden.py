@@ -461,9 +461,9 @@ def save_fused_experts(model, out):
 
     gate_up_proj[e] is expert e's gate_proj over its up_proj (rows [0, moe_intermediate) are
     the gate). Qwen3_5MoeExperts.forward (transformers 5.24,
-    models/qwen3_5_moe/modeling_qwen3_5_moe.py) computes
-        gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-        current_hidden_states = self.act_fn(gate) * up
+    models/qwen3_5_moe/modeling_qwen3_5_moe.py, line 884) computes
+      gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+      current_hidden_states = self.act_fn(gate) * up
     and the qwen2_moe conversion that loads per-expert checkpoints concatenates the
     gate_proj tensors before the up_proj ones (Concatenate(dim=1)). Both are checked below:
     the tensors against the per-expert file, the order against the module itself.
@@ -476,8 +476,8 @@ def save_fused_experts(model, out):
     plain = {name for name in per_expert if not PER_EXPERT.fullmatch(name)}
     experts = {name for name in fused if name.endswith(FUSED)}
     if set(fused) - experts != plain:
-        sys.exit(f"{out.name}: the in-memory names differ from save_pretrained's: "
-                 f"{sorted((set(fused) - experts) ^ plain)}")
+        differ = sorted((set(fused) - experts) ^ plain)
+        sys.exit(f"{out.name}: the in-memory names differ from save_pretrained's: {differ}")
     for name in plain:
         if not torch.equal(fused[name], per_expert[name]):
             sys.exit(f"{out.name}: {name} differs from the one save_pretrained wrote")
@@ -487,7 +487,9 @@ def save_fused_experts(model, out):
         module = model.get_submodule(prefix)
         x = torch.randn(len(TOKENS), module.hidden_dim, generator=torch.Generator().manual_seed(0))
         for e in range(fused[name].shape[0]):
-            gate, up, down = (per_expert[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+            gate, up, down = (
+                per_expert[f"{prefix}.{e}.{proj}_proj.weight"] for proj in ("gate", "up", "down")
+            )
             per_expert_count += 1 if kind == "down_proj" else 2
             want = torch.cat([gate, up]) if kind == "gate_up_proj" else down
             if not torch.equal(fused[name][e], want):
@@ -526,8 +528,10 @@ def make(family, out_root):
     ids = torch.tensor([TOKENS])
     gap = router_gap(model, ids)
     if gap is not None and gap < ROUTER_MIN_GAP:
-        sys.exit(f"{family}: routers nearly tie on the golden tokens (least gap {gap:.2e} < "
-                 f"{ROUTER_MIN_GAP:g}); give {source} another SEED_OFFSETS entry")
+        sys.exit(
+            f"{family}: routers nearly tie on the golden tokens (least gap {gap:.2e} < "
+            f"{ROUTER_MIN_GAP:g}); give {source} another SEED_OFFSETS entry"
+        )
 
     out = out_root / family
     out.mkdir(parents=True, exist_ok=True)
@@ -543,7 +547,8 @@ def make(family, out_root):
         # As save_pretrained writes it (PreTrainedConfig.to_json_string).
         (out / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         if AutoConfig.from_pretrained(out).to_dict() != saved:
-            sys.exit(f"{family}: transformers reads the config.json with {CONFIG_ADDITIONS[family]} otherwise")
+            added = CONFIG_ADDITIONS[family]
+            sys.exit(f"{family}: transformers reads config.json otherwise with {added} in it")
 
     # The expected logits come from the checkpoint as saved, read back by transformers:
     # what dspec is compared with is exactly what the directory holds.
@@ -562,8 +567,9 @@ def make(family, out_root):
         # family's); the fused one must give them exactly.
         save_fused_experts(model, out)
         with torch.no_grad():
-            if not torch.equal(reload()(input_ids=ids, use_cache=False).logits[0], logits):
-                sys.exit(f"{family}: the fused checkpoint computes other logits than the per-expert one")
+            fused = reload()(input_ids=ids, use_cache=False).logits[0]
+        if not torch.equal(fused, logits):
+            sys.exit(f"{family}: the fused checkpoint computes other logits than the per-expert")
 
     expected = {
         "family": family,
