@@ -57,16 +57,17 @@ fn default_sparse_step() -> i32 {
     1
 }
 
-/// The mixture-of-experts fields of Qwen's MoE configs (HF names; transformers 5 saves
-/// `num_experts` as `num_local_experts`).
+/// The mixture-of-experts fields of Qwen's MoE configs (HF names).
 #[derive(Debug, Clone, Deserialize)]
 pub struct MoeConfig {
-    #[serde(alias = "num_local_experts")]
     pub num_experts: Option<i32>,
+    /// transformers 5 saves `num_experts` under this name too, and reads this one when
+    /// both are there.
+    pub num_local_experts: Option<i32>,
     pub num_experts_per_tok: Option<i32>,
     pub moe_intermediate_size: Option<i32>,
-    #[serde(default)]
-    pub norm_topk_prob: bool,
+    /// Absent: the family's default (see [`MoeConfig::experts_per_layer`]).
+    pub norm_topk_prob: Option<bool>,
     pub shared_expert_intermediate_size: Option<i32>,
     /// Layers whose MLP stays dense.
     #[serde(default)]
@@ -76,17 +77,29 @@ pub struct MoeConfig {
     pub decoder_sparse_step: i32,
 }
 
+/// What a family's config class assumes where a config leaves a MoE field out.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeDefaults {
+    /// `num_experts` (0: dense MLPs).
+    pub experts: i32,
+    pub norm_topk_prob: bool,
+}
+
 impl MoeConfig {
-    /// Each of `layers` layers' experts, `None` for a dense one; `default_experts` where
-    /// the config gives no `num_experts` (0: no experts). Values that cannot work are
-    /// refused, naming `path`.
+    /// Each of `layers` layers' experts, `None` for a dense one, with the family's
+    /// defaults where the config is silent (transformers' config classes differ:
+    /// Qwen3-MoE's renormalises the chosen experts' probabilities only when asked,
+    /// Qwen3-Next's by default). Values that cannot work are refused, naming `path`.
     pub fn experts_per_layer(
         &self,
         layers: usize,
-        default_experts: i32,
+        defaults: MoeDefaults,
         path: &Path,
     ) -> Result<Vec<Option<ExpertsSpec>>> {
-        let experts = self.num_experts.unwrap_or(default_experts);
+        let experts = self
+            .num_local_experts
+            .or(self.num_experts)
+            .unwrap_or(defaults.experts);
         if experts == 0 {
             return Ok(Vec::new());
         }
@@ -134,7 +147,7 @@ impl MoeConfig {
             experts,
             top_k,
             inner,
-            norm_topk_prob: self.norm_topk_prob,
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(defaults.norm_topk_prob),
             shared_inner,
         };
         Ok(sparse.into_iter().map(|s| s.then_some(spec)).collect())

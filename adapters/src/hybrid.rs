@@ -26,7 +26,7 @@ use dspec_runtime::slicing::slice_axis;
 use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
 };
-use crate::config::{CommonConfig, MoeConfig};
+use crate::config::{CommonConfig, MoeConfig, MoeDefaults};
 use crate::continuation::ContinuationLayout;
 use crate::gated_delta::{
     read_conv_weight, CheckpointLayout, DeltaNetSpec, GatedDeltaNet, ProjectionLayout,
@@ -102,20 +102,20 @@ pub struct HybridSpec {
 }
 
 impl HybridConfig {
-    /// The spec of a config whose MoE defaults are `default_experts` experts (HF's
-    /// Qwen3-Next config defaults to 512; Qwen3.5's dense config has none).
+    /// The spec of a config, with the family's MoE defaults where the config is silent
+    /// (HF's Qwen3-Next config defaults to 512 experts; Qwen3.5's dense config has none).
     pub fn spec(
         &self,
         model_type: &str,
         path: &Path,
         projections: ProjectionLayout,
-        default_experts: i32,
+        moe_defaults: MoeDefaults,
     ) -> Result<HybridSpec> {
         let c = &self.common;
         c.validate(path)?;
         self.validate(path)?;
         let layers = c.num_hidden_layers as usize;
-        let experts = self.moe.experts_per_layer(layers, default_experts, path)?;
+        let experts = self.moe.experts_per_layer(layers, moe_defaults, path)?;
         let (theta, rope_parameters) = c.rope();
         let partial = rope_parameters["partial_rotary_factor"]
             .as_f64()
@@ -545,7 +545,7 @@ mod tests {
                 "qwen3_5_text",
                 Path::new("config.json"),
                 ProjectionLayout::Separate,
-                0,
+                crate::qwen3_5::MOE_DEFAULTS,
             )
             .expect("spec");
         HybridDecoder::load(spec, &mut RandomWeights::new(seed).expect("weights")).expect("load")
@@ -811,7 +811,7 @@ mod tests {
                 "qwen3_5_text",
                 Path::new("config.json"),
                 ProjectionLayout::Separate,
-                0,
+                crate::qwen3_5::MOE_DEFAULTS,
             )
             .expect("spec")
         };

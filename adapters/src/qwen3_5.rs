@@ -12,10 +12,17 @@ use serde::Deserialize;
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{AdapterRegistration, LoadRequest, TargetModel, WeightSource};
 
-use crate::config::{parse_config, FamilyBuilder};
+use crate::config::{parse_config, FamilyBuilder, MoeDefaults};
 use crate::gated_delta::ProjectionLayout;
 use crate::hybrid::{HybridConfig, HybridDecoder, HybridSpec};
 use crate::weights::ProgressWeights;
+
+/// transformers' Qwen3.5 configs: the dense one has no experts; the MoE one always
+/// renormalises the chosen experts' probabilities (its config has no switch for it).
+pub(crate) const MOE_DEFAULTS: MoeDefaults = MoeDefaults {
+    experts: 0,
+    norm_topk_prob: true,
+};
 
 /// A multimodal config: the text model's fields under `text_config`, so that an error
 /// about one names it as `text_config.<field>`.
@@ -37,7 +44,7 @@ pub(crate) fn spec(config: &serde_json::Value, dir: &Path) -> Result<HybridSpec>
     };
     let nested = config.get("text_config").is_some();
     let model_type = config["model_type"].as_str().unwrap_or("qwen3_5");
-    let mut spec = cfg.spec(model_type, &path, ProjectionLayout::Separate, 0)?;
+    let mut spec = cfg.spec(model_type, &path, ProjectionLayout::Separate, MOE_DEFAULTS)?;
     spec.tie_word_embeddings = cfg.common.tie_word_embeddings.or(top_tie).unwrap_or(false);
     spec.prefixes = match nested {
         true => vec!["model.language_model.", "language_model.model.", "model."],

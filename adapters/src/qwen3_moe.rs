@@ -6,13 +6,18 @@ use std::path::Path;
 
 use dspec_plugin_api::error::Result;
 
-use crate::config::{parse_config, MoeConfig};
+use crate::config::{parse_config, MoeConfig, MoeDefaults};
 use crate::transformer::DecoderSpec;
 
 fn spec(config: &serde_json::Value, dir: &Path) -> Result<DecoderSpec> {
     let moe: MoeConfig = parse_config(config, dir)?;
     let dense = crate::qwen3::spec(config, dir)?;
-    let experts = moe.experts_per_layer(dense.layers.len(), 0, &dir.join("config.json"))?;
+    // transformers' Qwen3MoeConfig: no experts, no renormalisation unless asked.
+    let defaults = MoeDefaults {
+        experts: 0,
+        norm_topk_prob: false,
+    };
+    let experts = moe.experts_per_layer(dense.layers.len(), defaults, &dir.join("config.json"))?;
     Ok(DecoderSpec {
         model_type: "qwen3_moe".into(),
         experts,

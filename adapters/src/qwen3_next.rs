@@ -8,13 +8,16 @@ use std::path::Path;
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{AdapterRegistration, LoadRequest, TargetModel, WeightSource};
 
-use crate::config::{parse_config, FamilyBuilder};
+use crate::config::{parse_config, FamilyBuilder, MoeDefaults};
 use crate::gated_delta::ProjectionLayout;
 use crate::hybrid::{HybridConfig, HybridDecoder, HybridSpec};
 use crate::weights::ProgressWeights;
 
-/// HF's `Qwen3NextConfig` defaults to 512 experts when the config names none.
-const DEFAULT_EXPERTS: i32 = 512;
+/// HF's `Qwen3NextConfig` defaults: 512 experts, their probabilities renormalised.
+const MOE_DEFAULTS: MoeDefaults = MoeDefaults {
+    experts: 512,
+    norm_topk_prob: true,
+};
 
 fn spec(config: &serde_json::Value, dir: &Path) -> Result<HybridSpec> {
     let cfg: HybridConfig = parse_config(config, dir)?;
@@ -22,7 +25,7 @@ fn spec(config: &serde_json::Value, dir: &Path) -> Result<HybridSpec> {
         "qwen3_next",
         &dir.join("config.json"),
         ProjectionLayout::GroupedByKeyHead,
-        DEFAULT_EXPERTS,
+        MOE_DEFAULTS,
     )
 }
 

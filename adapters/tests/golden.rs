@@ -75,10 +75,6 @@ const SKIPPED: &[(&str, &str)] = &[
          form against stepping, which is compared with transformers here",
     ),
     (
-        "mixture-of-experts Qwen3-Next and Qwen3.5 MLPs",
-        "dspec refuses these configs at load (hybrid.rs tests the refusal): nothing to compare",
-    ),
-    (
         "rope scaling `dynamic` and `longrope`",
         "dspec does not support them and refuses such configs",
     ),
@@ -302,6 +298,37 @@ fn qwen3_next() {
 #[test]
 fn qwen3_5() {
     check_family("qwen3_5");
+}
+
+/// Experts on layers 0 and 2 (layer 1 in `mlp_only_layers`), renormalised top 2 of 4.
+#[test]
+fn qwen3_moe() {
+    check_family("qwen3_moe");
+}
+
+/// Every second layer sparse (`decoder_sparse_step` 2), probabilities not renormalised,
+/// the expert count only as `num_local_experts`.
+#[test]
+fn qwen3_moe_step2() {
+    check_family("qwen3_moe_step2");
+}
+
+/// Qwen3-Next as released: experts and a gated shared expert on every layer.
+#[test]
+fn qwen3_next_moe() {
+    check_family("qwen3_next_moe");
+}
+
+/// Qwen3.5-MoE as released (multimodal config, no `norm_topk_prob`: always renormalised),
+/// with the experts one tensor each, and fused as Qwen ships them.
+#[test]
+fn qwen3_5_moe() {
+    check_family("qwen3_5_moe");
+    check_dir(
+        "qwen3_5_moe",
+        &golden_dir("qwen3_5_moe_fused"),
+        " (fused experts)",
+    );
 }
 
 /// The hybrid golden checkpoint as mlx-lm's conversion would store it: conv1d weights
