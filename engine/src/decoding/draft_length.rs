@@ -380,6 +380,41 @@ mod tests {
         assert!(most_common(&steep[40..]) <= 2, "{steep:?}");
     }
 
+    /// A mixture-of-experts target: a verify of w positions reads every expert any of
+    /// them was routed to, so its cost grows with width, steeply and then less so
+    /// (Qwen3-30B-A3B's shape: 8 of 128 experts a position, experts most of a step's
+    /// weight). Drafts kept half the time do not pay for that: plain steps. Drafts kept
+    /// 90% of the time pay for a few positions, not for the maximum. Either way the
+    /// rounds chosen run at least 0.95× the better of plain decoding and the best
+    /// fixed length.
+    #[test]
+    fn a_mixture_of_experts_verify_is_paid_for_only_where_drafts_earn_it() {
+        let experts_read = |w: usize| 128.0 * (1.0 - (1.0 - 8.0 / 128.0f64).powi(w as i32));
+        // In plain steps: the dense part, then the experts read.
+        let verify = |w: usize| 0.3 + 0.7 * experts_read(w) / 8.0;
+        let expected_tokens =
+            |k: usize, alpha: f64| (0..=k).map(|i| alpha.powi(i as i32)).sum::<f64>();
+        let cost = |k: usize| verify(k + 1);
+        for (alpha, most_drafted) in [(0.5, 0), (0.9, 4)] {
+            let ks = simulate(8, 400, alpha, 0.0, verify);
+            let tail = &ks[100..];
+            let rate = tail.iter().map(|&k| expected_tokens(k, alpha)).sum::<f64>()
+                / tail.iter().map(|&k| cost(k)).sum::<f64>();
+            let best = (0..=8)
+                .map(|k| expected_tokens(k, alpha) / cost(k))
+                .fold(0.0, f64::max);
+            assert!(
+                rate >= 0.95 * best,
+                "α {alpha}: {rate:.3} against {best:.3}: {ks:?}"
+            );
+            assert!(
+                most_common(tail) <= most_drafted,
+                "α {alpha}: drafts {}: {ks:?}",
+                most_common(tail)
+            );
+        }
+    }
+
     /// Drafts that are never kept, from a drafter that measures its agreement: one
     /// warm-up round that keeps nothing, then plain steps without a single probe for as
     /// long as probes are spaced at most (α is known without them).
