@@ -110,6 +110,7 @@ fn gguf_name(hf: &str, sandwich: bool) -> String {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        "mlp.gate" => "ffn_gate_inp",
         "post_attention_layernorm" if sandwich => "post_attention_norm",
         "post_attention_layernorm" => "ffn_norm",
         "pre_feedforward_layernorm" => "ffn_norm",
@@ -173,6 +174,17 @@ fn encode_as_gguf(hf_dir: &Path, gguf: &Path, arch: &str) {
     if let Some(w) = config["sliding_window"].as_u64() {
         g.u32(&format!("{arch}.attention.sliding_window"), w as u32);
     }
+    if arch == "qwen3moe" {
+        g.u32(&format!("{arch}.expert_count"), num("num_experts"));
+        g.u32(
+            &format!("{arch}.expert_used_count"),
+            num("num_experts_per_tok"),
+        );
+        g.u32(
+            &format!("{arch}.expert_feed_forward_length"),
+            num("moe_intermediate_size"),
+        );
+    }
     let mut tokens: Vec<String> = (0..=255u8)
         .map(|b| byte_level_char(b).to_string())
         .collect();
@@ -187,13 +199,52 @@ fn encode_as_gguf(hf_dir: &Path, gguf: &Path, arch: &str) {
     g.strings("tokenizer.ggml.merges", &[]);
     g.u32("tokenizer.ggml.eos_token_id", 258);
 
-    let sandwich = arch != "llama";
+    let gemma = arch.starts_with("gemma");
+    let sandwich = gemma;
     let heads = num("num_attention_heads") as usize;
     let kv_heads = num("num_key_value_heads") as usize;
     let weights = Array::load_safetensors(hf_dir.join("model.safetensors")).unwrap();
     let mut names: Vec<&String> = weights.keys().collect();
     names.sort();
+    // llama.cpp stores a layer's experts stacked, one tensor per projection.
+    let mut experts: std::collections::BTreeMap<(String, String), Vec<(usize, Array)>> =
+        Default::default();
+    for name in &names {
+        let Some(rest) = name.strip_prefix("model.layers.") else {
+            continue;
+        };
+        let Some((layer, rest)) = rest.split_once(".mlp.experts.") else {
+            continue;
+        };
+        let (e, proj) = rest.split_once('.').unwrap();
+        let proj = proj.trim_end_matches(".weight").to_string();
+        experts
+            .entry((layer.to_string(), proj))
+            .or_default()
+            .push((e.parse().unwrap(), weights[*name].clone()));
+    }
+    for ((layer, proj), mut list) in experts {
+        list.sort_by_key(|(e, _)| *e);
+        let parts: Vec<Array> = list.into_iter().map(|(_, a)| a).collect();
+        let stacked = mlx_rs::ops::stack(&parts, 0).unwrap();
+        let dims: Vec<u64> = stacked.shape().iter().rev().map(|&d| d as u64).collect();
+        let data = stacked
+            .as_dtype(Dtype::Float32)
+            .unwrap()
+            .as_slice::<f32>()
+            .to_vec();
+        let g_proj = match proj.as_str() {
+            "gate_proj" => "ffn_gate_exps",
+            "up_proj" => "ffn_up_exps",
+            _ => "ffn_down_exps",
+        };
+        g.tensors
+            .push((format!("blk.{layer}.{g_proj}.weight"), dims, data));
+    }
     for name in names {
+        if name.contains(".mlp.experts.") {
+            continue;
+        }
         let a = weights[name].as_dtype(Dtype::Float32).unwrap();
         let shape: Vec<usize> = a.shape().iter().map(|&d| d as usize).collect();
         let mut data = a.as_slice::<f32>().to_vec();
@@ -203,7 +254,7 @@ fn encode_as_gguf(hf_dir: &Path, gguf: &Path, arch: &str) {
         } else if arch == "llama" && name.contains("k_proj") {
             data = permute(&data, shape[0], cols, kv_heads);
         }
-        if arch != "llama" && name.ends_with("norm.weight") {
+        if gemma && name.ends_with("norm.weight") {
             data.iter_mut().for_each(|x| *x += 1.0);
         }
         let dims: Vec<u64> = shape.iter().rev().map(|&d| d as u64).collect();
@@ -240,6 +291,10 @@ fn logits_of(dir: &Path) -> Vec<f32> {
 fn gguf_round_trip_reproduces_the_model() {
     for (arch, overrides) in [
         ("llama", "{}"),
+        (
+            "qwen3moe",
+            r#"{"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": true}"#,
+        ),
         (
             "gemma3",
             r#"{"model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4}"#,

@@ -15,6 +15,7 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str)] = &[
     ),
     ("qwen2", "qwen2"),
     ("qwen3", "qwen3"),
+    ("qwen3moe", "qwen3_moe"),
     ("gemma", "gemma"),
     ("gemma2", "gemma2"),
     ("gemma3", "gemma3_text"),
@@ -51,6 +52,7 @@ pub fn hf_config(
         "llama" => "llama",
         "qwen2" => "qwen2",
         "qwen3" => "qwen3",
+        "qwen3moe" => "qwen3_moe",
         "gemma" => "gemma",
         "gemma2" => "gemma2",
         "gemma3" => "gemma3_text",
@@ -81,13 +83,18 @@ pub fn hf_config(
             "mistral" => "MistralForCausalLM",
             "qwen2" => "Qwen2ForCausalLM",
             "qwen3" => "Qwen3ForCausalLM",
+            "qwen3_moe" => "Qwen3MoeForCausalLM",
             "gemma" => "GemmaForCausalLM",
             "gemma2" => "Gemma2ForCausalLM",
             _ => "Gemma3ForCausalLM",
         }],
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": need_u("feed_forward_length")?,
+        // A mixture of experts may have no dense MLP to size.
+        "intermediate_size": match arch {
+            "qwen3moe" => g.get_u64(&key("feed_forward_length")).unwrap_or(0),
+            _ => need_u("feed_forward_length")?,
+        },
         "num_hidden_layers": need_u("block_count")?,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -136,6 +143,21 @@ pub fn hf_config(
         }
         "qwen2" => {
             obj.insert("use_sliding_window".into(), json!(false));
+        }
+        "qwen3moe" => {
+            // Every layer sparse; llama.cpp renormalises the chosen experts' weights
+            // unless the file says not to.
+            for (hf, gguf) in [
+                ("num_experts", "expert_count"),
+                ("num_experts_per_tok", "expert_used_count"),
+                ("moe_intermediate_size", "expert_feed_forward_length"),
+            ] {
+                obj.insert(hf.into(), json!(need_u(gguf)?));
+            }
+            let norm = g.get_bool(&key("expert_weights_norm")).unwrap_or(true);
+            obj.insert("norm_topk_prob".into(), json!(norm));
+            obj.insert("decoder_sparse_step".into(), json!(1));
+            obj.insert("mlp_only_layers".into(), json!([]));
         }
         _ => {}
     }

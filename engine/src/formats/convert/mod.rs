@@ -157,8 +157,10 @@ pub fn convert_gguf(
         let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
         let array = Array::from_slice(&data, &dims).as_dtype(options.dtype)?;
         drop(data);
-        let quantizable =
-            name.ends_with(".weight") && dims.len() == 2 && dims[1] % QUANT_GROUP == 0;
+        // Linear weights, and stacked experts (`[experts, out, in]`), by their inputs.
+        let quantizable = name.ends_with(".weight")
+            && dims.len() >= 2
+            && dims.last().is_some_and(|&inputs| inputs % QUANT_GROUP == 0);
         match options.quantize_bits.filter(|_| quantizable) {
             Some(bits) => {
                 let (w, scales, biases) = mlx_rs::ops::quantize(&array, QUANT_GROUP, bits)?;

@@ -38,6 +38,12 @@ pub fn hf_name(gguf: &str, conv: TensorConventions) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        // Mixture of experts: the router, and every expert's projection stacked
+        // `[experts, out, in]`, which dspec and mlx-lm read as `switch_mlp`.
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
+        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
         // Pre-norm families: the norm before the MLP is HF's post_attention_layernorm.
         "ffn_norm" if !conv.sandwich_norms => "post_attention_layernorm",
         "ffn_norm" => "pre_feedforward_layernorm",
