@@ -150,6 +150,10 @@ fn adapters_lists_every_built_in_family() {
         "gemma2",
         "gemma3_text",
         "gemma4_text",
+        "qwen3_5",
+        "qwen3_next",
+        "qwen3_moe",
+        "qwen3_5_moe",
     ] {
         assert!(
             text.lines()
