@@ -94,6 +94,33 @@ impl std::fmt::Debug for ChatTemplate {
 /// needs for a long conversation with tools, and a second or two of work at most.
 const TEMPLATE_FUEL: u64 = 5_000_000;
 
+/// The longest rendered conversation: far past any context (a million tokens of text
+/// take a few MB), short enough that a template writing without end fails before it
+/// exhausts memory.
+const MAX_RENDERED_BYTES: usize = 64 << 20;
+
+/// The render's output, refusing to grow past [`MAX_RENDERED_BYTES`].
+#[derive(Default)]
+struct BoundedOutput {
+    text: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + data.len() > MAX_RENDERED_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("the rendered conversation is too long"));
+        }
+        self.text.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     pub fn new(
         source: &str,
@@ -172,10 +199,17 @@ impl ChatTemplate {
                 .map_err(|e| ChatTemplateError::Render {
                     message: e.to_string(),
                 })?;
-        template
-            .render(Value::from(context))
-            .map_err(|e| match raised_message(&e) {
+        let mut out = BoundedOutput::default();
+        let rendered = template.render_captured_to(Value::from(context), &mut out);
+        if let Err(e) = rendered {
+            return Err(match raised_message(&e) {
                 Some(message) => ChatTemplateError::Raised { message },
+                None if out.overflowed => ChatTemplateError::Render {
+                    message: format!(
+                        "it wrote more than {} MiB, far more than any prompt (a loop without end?); fix the template or pass --no-chat-template",
+                        MAX_RENDERED_BYTES >> 20
+                    ),
+                },
                 None if e.kind() == ErrorKind::OutOfFuel => ChatTemplateError::Render {
                     message: format!(
                         "it ran more than {TEMPLATE_FUEL} steps without finishing (a loop without end?); fix the template or pass --no-chat-template"
@@ -184,7 +218,11 @@ impl ChatTemplate {
                 None => ChatTemplateError::Render {
                     message: e.to_string(),
                 },
-            })
+            });
+        }
+        String::from_utf8(out.text).map_err(|e| ChatTemplateError::Render {
+            message: format!("it wrote text that is not UTF-8 ({e})"),
+        })
     }
 }
 
@@ -588,6 +626,18 @@ mod tests {
             .render(&messages(&[("user", "hi")]), true, &no_extra())
             .unwrap_err();
         assert!(err.to_string().contains("loop without end"), "{err}");
+        // Within its steps, one that writes 100 kB a step would write 100 GB: refused
+        // once it passes the bound, before it takes the memory.
+        let flood = ChatTemplate::new(
+            "{% set big = 'x' * 100000 %}{% for i in range(1000) %}{% for j in range(1000) %}{{ big }}{% endfor %}{% endfor %}",
+            None,
+            None,
+        )
+        .unwrap();
+        let err = flood
+            .render(&messages(&[("user", "hi")]), true, &no_extra())
+            .unwrap_err();
+        assert!(err.to_string().contains("more than 64 MiB"), "{err}");
         let long: Vec<(&str, &str)> = (0..2000)
             .map(|i| match i % 2 {
                 0 => ("user", "a question of a few words"),
