@@ -61,8 +61,8 @@ fn default_sparse_step() -> i32 {
 #[derive(Debug, Clone, Deserialize)]
 pub struct MoeConfig {
     pub num_experts: Option<i32>,
-    /// transformers 5 saves `num_experts` under this name too, and reads this one when
-    /// both are there.
+    /// transformers' current configs save `num_experts` under this name too, and read
+    /// this one when both are there.
     pub num_local_experts: Option<i32>,
     pub num_experts_per_tok: Option<i32>,
     pub moe_intermediate_size: Option<i32>,

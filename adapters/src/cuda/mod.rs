@@ -256,7 +256,7 @@ fn with_constants(constants: &[(&str, i32)], body: &str) -> String {
 
 /// What MLX is handed for one piece of a kernel's text (its header or its body).
 ///
-/// MLX 0.32.2 pastes a custom kernel's whole text into a new source at every call and
+/// MLX pastes a custom kernel's whole text into a new source at every call and
 /// hashes that source at every evaluation (`mlx/backend/cuda/custom_kernel.cpp`): host
 /// time that grows with the text, paid by every product and attention of every verify
 /// (docs/benchmarks.md has the measurement). So the text is written once, to a file
