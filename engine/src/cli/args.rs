@@ -684,8 +684,12 @@ mod tests {
             .err()
             .expect("refused while parsing");
         assert!(err.to_string().contains("1 to 32"), "{err}");
-        let probe = parse(&["--confidence-threshold", "1.5"]).expect("parses");
-        let err = probe.tuning.options(Dtype::Float32, 16).unwrap_err();
-        assert!(err.to_string().contains("--confidence-threshold"), "{err}");
+        let err = parse(&["--confidence-threshold", "1.5"])
+            .err()
+            .expect("refused while parsing");
+        assert!(err.to_string().contains("from 0 and at most 1"), "{err}");
+        let probe = parse(&["--confidence-threshold", "0.5"]).expect("parses");
+        let options = probe.tuning.options(Dtype::Float32, 16).expect("in range");
+        assert_eq!(options.confidence_threshold, Some(0.5));
     }
 }
