@@ -110,7 +110,9 @@ impl std::io::Write for BoundedOutput {
     fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
         if self.text.len() + data.len() > MAX_RENDERED_BYTES {
             self.overflowed = true;
-            return Err(std::io::Error::other("the rendered conversation is too long"));
+            return Err(std::io::Error::other(
+                "the rendered conversation is too long",
+            ));
         }
         self.text.extend_from_slice(data);
         Ok(data.len())
