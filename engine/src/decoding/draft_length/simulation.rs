@@ -73,6 +73,19 @@ pub(super) fn simulate_with_agreement(
     verify: impl Fn(usize) -> f64,
     plain_s: f64,
 ) -> Vec<usize> {
+    simulate_agreement_apart(rounds, &agree, &agree, draft_s, verify, plain_s)
+}
+
+/// As [`simulate_with_agreement`], but drafts are kept at `keep(i)`, which may differ
+/// from the agreement plain steps measure (a verify rounding near-ties its own way).
+pub(super) fn simulate_agreement_apart(
+    rounds: usize,
+    agree: &dyn Fn(usize) -> f64,
+    keep: &dyn Fn(usize) -> f64,
+    draft_s: f64,
+    verify: impl Fn(usize) -> f64,
+    plain_s: f64,
+) -> Vec<usize> {
     let mut control = DraftLength::new(8, true);
     control.set_agreement_measured();
     let mut uniform = uniform_stream(0x9e37_79b9_7f4a_7c15u64);
@@ -80,12 +93,11 @@ pub(super) fn simulate_with_agreement(
     for i in 0..rounds {
         let k = control.next(usize::MAX);
         chosen.push(k);
-        let alpha = agree(i);
         if k == 0 {
             control.observe(0, 0, 0.0, plain_s);
-            control.observe_agreement(usize::from(uniform() < alpha), 1);
+            control.observe_agreement(usize::from(uniform() < agree(i)), 1);
         } else {
-            let kept = (0..k).take_while(|_| uniform() < alpha).count();
+            let kept = (0..k).take_while(|_| uniform() < keep(i)).count();
             control.observe(k, kept, draft_s * k as f64, verify(k + 1));
         }
     }
