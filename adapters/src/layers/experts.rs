@@ -9,18 +9,18 @@
 //! first, so each expert's weights are read once for all the positions that chose it.
 
 use mlx_rs::ops::{
-    argpartition_axis, argsort_axis, expand_dims_axes, flatten, gather_mm, gather_qmm, quantize,
-    sigmoid, softmax_axis, squeeze_axes, stack, sum_axis, unflatten,
+    argpartition_axis, argsort_axis, expand_dims_axes, flatten, gather_mm, gather_qmm, sigmoid,
+    softmax_axis, squeeze_axes, stack, sum_axis, unflatten,
 };
 use mlx_rs::Array;
 
-use dspec_plugin_api::error::{ModelError, Result};
+use dspec_plugin_api::error::Result;
 use dspec_plugin_api::{Quantization, WeightSource};
 
 use super::activation::Activation;
 use super::linear::Linear;
 use super::mlp::GatedMlp;
-use super::quantized::grouping_for;
+use super::quantized::{maybe_quantize, quantized_parts, Quantized};
 use dspec_runtime::slicing::slice_axis;
 
 /// The routed experts of one layer, as the config describes them.
@@ -46,13 +46,7 @@ const SORT_FROM_ROUTES: usize = 64;
 /// One projection of every expert, stacked: `[experts, out, in]`, dense or quantized.
 enum StackedWeight {
     Dense(Array),
-    Quantized {
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        group_size: i32,
-        bits: i32,
-    },
+    Quantized(Quantized),
 }
 
 /// One projection (gate, up or down) of all the experts of a layer.
@@ -61,21 +55,11 @@ struct StackedLinear {
 }
 
 impl StackedLinear {
+    /// A float stack, quantized here when the user asked for it (`--quantize`).
     fn dense(weight: Array, quantize_to: Option<Quantization>) -> Result<Self> {
-        let cols = weight.shape()[2];
-        let weight = match grouping_for(cols, quantize_to) {
-            Some(Quantization { bits, group_size }) => {
-                let (w, scales, biases) = quantize(&weight, group_size, bits)?;
-                mlx_rs::transforms::eval([&w, &scales, &biases])?;
-                StackedWeight::Quantized {
-                    weight: w,
-                    scales,
-                    biases,
-                    group_size,
-                    bits,
-                }
-            }
-            None => StackedWeight::Dense(weight),
+        let weight = match maybe_quantize(weight, quantize_to)? {
+            Ok(q) => StackedWeight::Quantized(q),
+            Err(dense) => StackedWeight::Dense(dense),
         };
         Ok(Self { weight })
     }
@@ -87,22 +71,16 @@ impl StackedLinear {
             StackedWeight::Dense(w) => {
                 gather_mm(x, w.swap_axes(-1, -2)?, None, experts, Some(sorted))?
             }
-            StackedWeight::Quantized {
-                weight,
-                scales,
-                biases,
-                group_size,
-                bits,
-            } => gather_qmm(
+            StackedWeight::Quantized(q) => gather_qmm(
                 x,
-                weight,
-                scales,
-                biases,
+                &q.weight,
+                &q.scales,
+                &q.biases,
                 None,
                 experts,
                 true,
-                *group_size,
-                *bits,
+                q.group_size,
+                q.bits,
                 sorted,
             )?,
         })
@@ -207,52 +185,22 @@ fn load_quantized_stack(
     quantized_stack(w, prefix, parts, experts, rows, cols)
 }
 
-/// A stacked quantized projection from its packed weight, scales and biases, bits and
-/// group size read from the shapes (a packed u32 holds `32 / bits` values; one scale per
-/// group); `prefix` names it in errors.
 fn quantized_stack(
     w: &dyn WeightSource,
     prefix: &str,
-    [weight, scales, biases]: [Array; 3],
+    parts: [Array; 3],
     experts: i32,
     rows: i32,
     cols: i32,
 ) -> Result<StackedLinear> {
-    let (ws, ss) = (weight.shape().to_vec(), scales.shape().to_vec());
-    let shaped = ws.len() == 3
-        && ws[..2] == [experts, rows]
-        && ss.len() == 3
-        && ss[..2] == [experts, rows]
-        && ss[2] > 0
-        && biases.shape() == ss;
-    let group_size = if shaped { cols / ss[2] } else { 0 };
-    let bits = if shaped { ws[2] * 32 / cols } else { 0 };
-    if !shaped
-        || group_size * ss[2] != cols
-        || bits * cols != ws[2] * 32
-        || ![2, 3, 4, 5, 6, 8].contains(&bits)
-    {
-        return Err(ModelError::ShapeMismatch {
-            name: format!("{prefix}.weight/scales/biases"),
-            file: "(quantized checkpoint)".into(),
-            expected: vec![experts, rows, cols * 4 / 32],
-            actual: ws,
-        });
-    }
-    let cast = |a: Array| -> Result<Array> {
-        match w.options().dtype {
-            Some(d) if d != a.dtype() => Ok(a.as_dtype(d)?),
-            _ => Ok(a),
-        }
-    };
     Ok(StackedLinear {
-        weight: StackedWeight::Quantized {
-            weight,
-            scales: cast(scales)?,
-            biases: cast(biases)?,
-            group_size,
-            bits,
-        },
+        weight: StackedWeight::Quantized(quantized_parts(
+            w,
+            prefix,
+            parts,
+            &[experts, rows],
+            cols,
+        )?),
     })
 }
 
@@ -374,7 +322,7 @@ fn first_on_last_axis(a: &Array, k: i32) -> Result<Array> {
 
 #[cfg(test)]
 mod tests {
-    use mlx_rs::ops::concatenate;
+    use mlx_rs::ops::{concatenate, quantize};
     use mlx_rs::{random, Array};
 
     use dspec_plugin_api::LoadOptions;

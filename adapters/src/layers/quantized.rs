@@ -82,32 +82,44 @@ pub(super) fn load_quantized_part(
             None => w.raw(&name),
         }
     };
-    let weight = fetch("weight")?;
-    let scales = fetch("scales")?;
-    let biases = fetch("biases")?;
+    let parts = [fetch("weight")?, fetch("scales")?, fetch("biases")?];
+    quantized_parts(w, prefix, parts, &[rows], cols)
+}
+
+/// A quantized weight from its packed `weight`, `scales` and `biases`, whose leading
+/// dimensions must be `lead` (`[rows]` for a linear layer, `[experts, rows]` for stacked
+/// experts) over `cols` inputs; bits and group size are read from the shapes (a packed
+/// u32 holds `32 / bits` values; one scale per group). `prefix` names it in errors.
+pub(super) fn quantized_parts(
+    w: &dyn WeightSource,
+    prefix: &str,
+    [weight, scales, biases]: [Array; 3],
+    lead: &[i32],
+    cols: i32,
+) -> Result<Quantized> {
     let (ws, ss) = (weight.shape().to_vec(), scales.shape().to_vec());
-    let bad = |expected: Vec<i32>, actual: Vec<i32>, part: &str| ModelError::ShapeMismatch {
-        name: format!("{prefix}.{part}"),
-        file: "(quantized checkpoint)".into(),
-        expected,
-        actual,
-    };
-    if ws.len() != 2
-        || ws[0] != rows
-        || ss.len() != 2
-        || ss[0] != rows
-        || ss[1] == 0
-        || biases.shape() != ss
-    {
-        return Err(bad(vec![rows, -1], ws, "weight/scales/biases"));
-    }
-    let group_size = cols / ss[1];
-    let bits = ws[1] * 32 / cols;
-    if group_size * ss[1] != cols
-        || bits * cols != ws[1] * 32
+    let n = lead.len();
+    let shaped = ws.len() == n + 1
+        && ws[..n] == *lead
+        && ss.len() == n + 1
+        && ss[..n] == *lead
+        && ss[n] > 0
+        && biases.shape() == ss;
+    let group_size = if shaped { cols / ss[n] } else { 0 };
+    let bits = if shaped { ws[n] * 32 / cols } else { 0 };
+    if !shaped
+        || group_size * ss[n] != cols
+        || bits * cols != ws[n] * 32
         || ![2, 3, 4, 5, 6, 8].contains(&bits)
     {
-        return Err(bad(vec![rows, cols * 4 / 32], ws, "weight"));
+        let mut expected = lead.to_vec();
+        expected.push(cols * 4 / 32);
+        return Err(ModelError::ShapeMismatch {
+            name: format!("{prefix}.weight/scales/biases"),
+            file: "(quantized checkpoint)".into(),
+            expected,
+            actual: ws,
+        });
     }
     let cast = |a: Array| -> Result<Array> {
         match w.options().dtype {
@@ -115,12 +127,10 @@ pub(super) fn load_quantized_part(
             _ => Ok(a),
         }
     };
-    let scales = cast(scales)?;
-    let biases = cast(biases)?;
     Ok(Quantized {
         weight,
-        scales,
-        biases,
+        scales: cast(scales)?,
+        biases: cast(biases)?,
         group_size,
         bits,
     })
@@ -138,13 +148,15 @@ pub(super) fn grouping_for(cols: i32, quantize_to: Option<Quantization>) -> Opti
     })
 }
 
-/// Quantizes a dense `[rows, cols]` weight when the user asked for it, grouped as
-/// [`grouping_for`] says; layers no group size fits stay dense.
+/// Quantizes a dense `[..., rows, cols]` weight (a linear layer's, or stacked experts')
+/// when the user asked for it, grouped as [`grouping_for`] says; layers no group size
+/// fits stay dense.
 pub(super) fn maybe_quantize(
     weight: Array,
     quantize_to: Option<Quantization>,
 ) -> Result<std::result::Result<Quantized, Array>> {
-    match grouping_for(weight.shape()[1], quantize_to) {
+    let cols = *weight.shape().last().unwrap_or(&0);
+    match grouping_for(cols, quantize_to) {
         Some(Quantization { bits, group_size }) => {
             let (w, scales, biases) = quantize(&weight, group_size, bits)?;
             // Quantized while loading, as the weights are read: left lazy, the whole model
