@@ -9,16 +9,16 @@ use mlx_rs::Array;
 use dspec_adapters::fixtures::{with, TINY_QWEN3_5_OVERRIDES, TINY_QWEN3_NEXT_OVERRIDES};
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_drafters::{dflash, dspark};
-use dspec_engine::loading::drafting::load_drafter;
-use dspec_engine::loading::{builtin_registry, LoadedModel};
+use dspec_engine::loading::LoadedModel;
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{Draft, Drafter, DrafterOptions, LoadOptions, TargetModel, TokenPicker};
+use dspec_plugin_api::{Draft, Drafter, DrafterOptions, TargetModel, TokenPicker};
 
 mod common;
 use common::lossless::{assert_lossless, exact_joint, greedy_path, params, FixedDrafter};
 use common::{
-    greedy, greedy_config, load_checkpoint_drafter, load_dir, read_config, speculate, tiny_target,
+    greedy, greedy_config, load_checkpoint_drafter, load_dir, load_draft_model, read_config,
+    speculate, tiny_target,
 };
 
 /// The vocabulary of the tiny targets (bytes and three specials).
@@ -61,11 +61,11 @@ fn targets() -> Vec<(&'static str, String, usize)> {
     ]
 }
 
-/// Knows the true greedy continuation and drafts it with one token changed, at a
-/// position that moves from round to round, so that every acceptance length occurs.
+/// Drafts the true greedy continuation (as [`FixedDrafter`] does) with one token
+/// changed, at a position that moves from round to round, so that every acceptance
+/// length occurs.
 struct ShiftingOracle {
-    truth: Vec<u32>,
-    seen: usize,
+    truth: FixedDrafter,
     round: usize,
 }
 
@@ -73,36 +73,25 @@ impl Drafter for ShiftingOracle {
     fn name(&self) -> &str {
         "shifting-oracle"
     }
-    fn begin(&mut self, _: &dyn TargetModel, _: &[u32], _: Option<&Array>) -> ModelResult<()> {
-        self.seen = 0;
-        Ok(())
+    fn begin(&mut self, t: &dyn TargetModel, p: &[u32], h: Option<&Array>) -> ModelResult<()> {
+        self.truth.begin(t, p, h)
     }
     fn propose(
         &mut self,
-        _: &dyn TargetModel,
-        _last: u32,
+        target: &dyn TargetModel,
+        last: u32,
         max_k: usize,
-        _: &mut dyn TokenPicker,
+        picker: &mut dyn TokenPicker,
     ) -> ModelResult<Draft> {
-        let mut tokens: Vec<u32> = self
-            .truth
-            .iter()
-            .skip(self.seen + 1)
-            .take(max_k)
-            .copied()
-            .collect();
+        let mut draft = self.truth.propose(target, last, max_k, picker)?;
         self.round += 1;
-        if let Some(t) = tokens.get_mut(self.round % (max_k + 2)) {
+        if let Some(t) = draft.tokens.get_mut(self.round % (max_k + 2)) {
             *t = (*t + 1) % VOCAB;
         }
-        Ok(Draft {
-            tokens,
-            ..Draft::default()
-        })
+        Ok(draft)
     }
-    fn commit(&mut self, verified: &[u32], _: Option<&Array>) -> ModelResult<()> {
-        self.seen += verified.len();
-        Ok(())
+    fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
+        self.truth.commit(verified, hidden)
     }
 }
 
@@ -139,20 +128,6 @@ fn prompt(loaded: &LoadedModel, text: &str) -> Vec<u32> {
     loaded.tokenizer.encode_prompt(text, false).expect("encode")
 }
 
-fn draft_model(dir: &std::path::Path, target: &LoadedModel, bits: Option<i32>) -> Box<dyn Drafter> {
-    load_drafter(
-        &format!("model:{}", dir.display()),
-        target,
-        &builtin_registry().expect("registry"),
-        &LoadOptions::default(),
-        &DrafterOptions {
-            bits,
-            ..DrafterOptions::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
-}
-
 /// Every drafter on every MoE family: the oracle (rejections at each position of a block,
 /// verifies of 6 positions routed together), n-gram lookup, a dense draft model, and
 /// DFlash and DSpark reading the target's hidden states; each gives plain greedy's tokens.
@@ -172,14 +147,20 @@ fn every_drafter_on_moe_targets_equals_plain_greedy() {
             (
                 "oracle",
                 Box::new(ShiftingOracle {
-                    truth: truth.clone(),
-                    seen: 0,
+                    truth: FixedDrafter {
+                        path: truth.clone(),
+                        seen: 0,
+                    },
                     round: 0,
                 }),
                 5,
             ),
             ("ngram", Box::new(NgramDrafter::new(3)), 6),
-            ("draft model", draft_model(&small, &target, None), 4),
+            (
+                "draft model",
+                load_draft_model(&target, &small, &DrafterOptions::default()),
+                4,
+            ),
         ];
         for kind in ["dflash", "dspark"] {
             let dir = checkpoint(kind, layers, 7);
@@ -243,7 +224,11 @@ fn sampled_speculation_on_moe_targets_keeps_the_distribution() {
             1,
             &format!("{family}, one-hot"),
         );
-        let mut twin = draft_model(&twin, &target, Some(8));
+        let eight_bits = DrafterOptions {
+            bits: Some(8),
+            ..DrafterOptions::default()
+        };
+        let mut twin = load_draft_model(&target, &twin, &eight_bits);
         assert_lossless(
             &target,
             twin.as_mut(),

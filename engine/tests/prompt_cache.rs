@@ -12,13 +12,10 @@ use dspec_engine::decoding::speculative::VerifyAheadMode;
 use dspec_engine::decoding::speculative::{
     generate_speculative, ServingOptions, Speculation, SpeculativeOutput,
 };
-use dspec_engine::loading::drafting::load_drafter;
-use dspec_engine::loading::{builtin_registry, LoadedModel};
+use dspec_engine::loading::LoadedModel;
 use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{
-    Draft, DraftAhead, Drafter, DrafterOptions, LoadOptions, TargetModel, TokenPicker,
-};
+use dspec_plugin_api::{Draft, DraftAhead, Drafter, DrafterOptions, TargetModel, TokenPicker};
 
 mod common;
 use common::{greedy, greedy_config, tiny_target};
@@ -104,17 +101,14 @@ fn chat_turns(loaded: &LoadedModel, drafter: &mut dyn Drafter, what: &str) {
 }
 
 fn draft_model(target: &LoadedModel, dir: &std::path::Path) -> Box<dyn Drafter> {
-    load_drafter(
-        &format!("model:{}", dir.display()),
+    common::load_draft_model(
         target,
-        &builtin_registry().expect("registry"),
-        &LoadOptions::default(),
+        dir,
         &DrafterOptions {
             draft_ahead: Some(DraftAhead::On),
             ..DrafterOptions::default()
         },
     )
-    .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
 
 #[test]

@@ -70,6 +70,22 @@ pub fn read_config(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&text).expect("config.json is JSON")
 }
 
+/// A draft model (`--drafter model:DIR`) for `target`, loaded as the engine does.
+pub fn load_draft_model(
+    target: &LoadedModel,
+    dir: &Path,
+    options: &DrafterOptions,
+) -> Box<dyn Drafter> {
+    dspec_engine::loading::drafting::load_drafter(
+        &format!("model:{}", dir.display()),
+        target,
+        &builtin_registry().expect("registry"),
+        &LoadOptions::default(),
+        options,
+    )
+    .unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
+}
+
 /// Loads a drafter checkpoint as the engine does: its kind detected from `config`
 /// (asserted to be `kind`), then that kind's constructor against the target, with the
 /// target's dtype. Loading a model from inside is an error: checkpoints never need one.
