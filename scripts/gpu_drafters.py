@@ -453,6 +453,11 @@ def run_shape(args, shape, runs, work, device):
         log(f"first rounds {key}: {json.dumps(rec['first_rounds'][key])}")
         save()
 
+    return finish_shape(args, runs, rec, target, prompt_ids, save)
+
+
+def finish_shape(args, runs, rec, target, prompt_ids, save):
+    """mlx-lm's plain greedy line on the prompt ids a dspec report gave, then the table."""
     if args.skip_mlx_lm:
         rec["mlx_lm_greedy"] = {"skipped": args.skip_mlx_lm_note}
     elif prompt_ids is None:
@@ -591,16 +596,7 @@ def run_moe_shape(args, shape, runs, work, device):
                 f"round cost {json.dumps(report.get('round_cost'))}")
         save()
 
-    if args.skip_mlx_lm:
-        rec["mlx_lm_greedy"] = {"skipped": args.skip_mlx_lm_note}
-    elif prompt_ids is None:
-        rec["mlx_lm_greedy"] = {"skipped": "no dspec report gave the prompt ids"}
-    else:
-        rec["mlx_lm_greedy"] = mlx_lm_greedy(args, runs, target, prompt_ids)
-    save()
-    text = table(rec)
-    print(text + "\n", flush=True)
-    return rec
+    return finish_shape(args, runs, rec, target, prompt_ids, save)
 
 
 def main():
