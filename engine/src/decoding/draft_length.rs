@@ -45,7 +45,7 @@ const PROBE_EVERY_MAX: usize = 256;
 
 /// Least-squares line `y ≈ a + b·x` over decayed observations.
 #[derive(Debug, Clone, Default)]
-struct LineFit {
+pub(crate) struct LineFit {
     n: f64,
     sx: f64,
     sy: f64,
@@ -56,7 +56,7 @@ struct LineFit {
 }
 
 impl LineFit {
-    fn observe(&mut self, x: f64, y: f64) {
+    pub(crate) fn observe(&mut self, x: f64, y: f64) {
         for s in [
             &mut self.n,
             &mut self.sx,
@@ -72,6 +72,21 @@ impl LineFit {
         self.sxx += x * x;
         self.sxy += x * y;
         self.widest = self.widest.max(x);
+    }
+
+    /// The fitted intercept and slope (never below 0), once x has varied enough to
+    /// tell; the mean of y with no slope before.
+    pub(crate) fn line(&self) -> Option<(f64, Option<f64>)> {
+        if self.n < 1e-9 {
+            return None;
+        }
+        let (mx, my) = (self.sx / self.n, self.sy / self.n);
+        let var = self.sxx / self.n - mx * mx;
+        if var <= 0.05 {
+            return Some((my, None));
+        }
+        let slope = ((self.sxy / self.n - mx * my) / var).max(0.0);
+        Some((my - slope * mx, Some(slope)))
     }
 
     /// The fitted value at `x`. With (nearly) one x seen so far the slope is unknown:
@@ -90,15 +105,11 @@ impl LineFit {
             true => x,
             false => x.min(self.widest),
         };
-        let (mx, my) = (self.sx / self.n, self.sy / self.n);
-        let var = self.sxx / self.n - mx * mx;
-        let y = if var > 0.05 {
-            let slope = ((self.sxy / self.n - mx * my) / var).max(0.0);
-            my + slope * (x - mx)
-        } else if through_origin && mx > 0.0 {
-            my / mx * x
-        } else {
-            my
+        let mx = self.sx / self.n;
+        let y = match self.line()? {
+            (intercept, Some(slope)) => intercept + slope * x,
+            (my, None) if through_origin && mx > 0.0 => my / mx * x,
+            (my, None) => my,
         };
         Some(y.max(0.0))
     }
@@ -118,6 +129,13 @@ pub struct DraftLength {
     /// agree with (see `acceptance`).
     verified_kept: f64,
     predicted_kept: f64,
+    /// What the drafter gives when asked (a lookup gives fewer when its match runs out):
+    /// per draft position j (at index j − 1), decayed counts of rounds that asked for a
+    /// j-th draft after getting j − 1, and of those that got it. Drafts that are kept but
+    /// never come in the number asked must not be priced as if they would: a round
+    /// asking for 8 that always gets 1 commits 2 tokens, not 9.
+    asked_at: Vec<f64>,
+    given_at: Vec<f64>,
     /// Seconds of drafting against tokens drafted (rounds with k > 0).
     draft: LineFit,
     /// Seconds of verifying against the verified width (k + 1), rounds with drafts.
@@ -148,6 +166,8 @@ impl DraftLength {
             rejected: 0.0,
             verified_kept: 0.0,
             predicted_kept: 0.0,
+            asked_at: vec![0.0; max],
+            given_at: vec![0.0; max],
             draft: LineFit::default(),
             verify: LineFit::default(),
             plain: LineFit::default(),
@@ -200,17 +220,46 @@ impl DraftLength {
         pooled * borne_out.min(1.0)
     }
 
-    /// Expected tokens committed by a round of `k` drafts, over its expected seconds;
-    /// `None` until both costs have been seen.
+    /// A round asked for `asked` drafts and the drafter gave `given`.
+    pub fn observe_offered(&mut self, asked: usize, given: usize) {
+        for count in self.asked_at.iter_mut().chain(self.given_at.iter_mut()) {
+            *count *= DECAY;
+        }
+        let reached = asked.min(given + 1).min(self.max);
+        for j in 0..reached {
+            self.asked_at[j] += 1.0;
+            if j < given {
+                self.given_at[j] += 1.0;
+            }
+        }
+    }
+
+    /// The chance that the drafter gives a j-th draft when asked for it, having given
+    /// the j − 1 before (optimistic until asked: a position never asked for is tried).
+    fn gives(&self, j: usize) -> f64 {
+        match (self.asked_at.get(j - 1), self.given_at.get(j - 1)) {
+            (Some(asked), Some(given)) => (given + 0.5) / (asked + 0.5),
+            _ => 1.0,
+        }
+    }
+
+    /// Expected tokens committed by a round asking for `k` drafts, over its expected
+    /// seconds; `None` until both costs have been seen.
     fn rate(&self, k: usize) -> Option<f64> {
-        let alpha = self.acceptance();
-        let tokens: f64 = (0..=k).map(|i| alpha.powi(i as i32)).sum();
         if k == 0 {
             return Some(1.0 / self.plain.predict(1.0, false)?.max(1e-9));
         }
-        let draft = self.draft.predict(k as f64, true)?;
-        let verify = self.verify.predict((k + 1) as f64, false)?;
-        Some(tokens / (draft + verify).max(1e-9))
+        let alpha = self.acceptance();
+        // Draft j counts where it is given (`reach`) and it and those before it are kept.
+        let (mut tokens, mut given, mut reach) = (1.0, 0.0, 1.0);
+        for j in 1..=k {
+            reach *= self.gives(j);
+            tokens += reach * alpha.powi(j as i32);
+            given += reach;
+        }
+        let drafting = self.draft.predict(given, true)?;
+        let verify = self.verify.predict(1.0 + given, false)?;
+        Some(tokens / (drafting + verify).max(1e-9))
     }
 
     /// The length with the best expected rate among `0..=cap` (`cap` while nothing is

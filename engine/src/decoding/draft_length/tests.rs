@@ -297,3 +297,34 @@ fn the_line_fit_recovers_a_line_and_falls_back_sensibly() {
     assert!((one_width.predict(2.0, false).unwrap() - 8.0).abs() < 1e-9);
     assert!(LineFit::default().predict(1.0, false).is_none());
 }
+
+/// A lookup drafter that always finds one token (the match of a repeated token) and is
+/// always right, on a target whose verify costs 4.3 plain steps at every width (a
+/// mixture of experts on a GPU): asking for more never gets more, so once the rounds that
+/// learn it are spent, plain steps win. Priced as if all 8 asked for came, every round
+/// would draft.
+#[test]
+fn drafts_that_never_come_are_not_priced_as_if_they_would() {
+    let (plain, verify) = (0.0098, 0.042);
+    let run = |learns_what_is_given: bool| {
+        let mut control = DraftLength::new(8, true);
+        control.set_agreement_measured();
+        let mut drafted = 0;
+        for _ in 0..64 {
+            let k = control.next(usize::MAX);
+            if k == 0 {
+                control.observe(0, 0, 0.0, plain);
+                control.observe_agreement(1, 1);
+            } else {
+                drafted += 1;
+                if learns_what_is_given {
+                    control.observe_offered(k, 1);
+                }
+                control.observe(1, 1, 1e-6, verify);
+            }
+        }
+        drafted
+    };
+    assert!(run(true) <= 3, "{} rounds of 64 drafted", run(true));
+    assert!(run(false) > 16, "the case needs the offers: {}", run(false));
+}

@@ -189,6 +189,7 @@ impl Rounds<'_, '_, '_> {
         let max_draft = self.length.max();
         let mut proposal = self.propose_lookup(self.last, k + 1 + max_draft)?;
         let drafts: Vec<u32> = proposal.tokens.iter().take(k).copied().collect();
+        self.length.observe_offered(k, drafts.len());
         let first = Array::from_slice(&[self.last], &[1, 1]);
         let mut current =
             self.queue_verify((&first, Some(self.last)), &drafts, proposal.seconds, false)?;

@@ -37,6 +37,7 @@ impl Rounds<'_, '_, '_> {
         let draft_elapsed = t.elapsed();
         self.tally.draft_time += draft_elapsed;
         draft.truncate(k)?;
+        self.length.observe_offered(k, draft.len());
 
         let t = Instant::now();
         let input = match &draft.on_device {
