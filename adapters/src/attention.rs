@@ -582,26 +582,7 @@ impl Attention {
 
         // A block is not causal: its positions never attend one by one.
         let out = if rows || (!block && attends_position_by_position(offset, len, mask)) {
-            // One call per position, each as a one-token step makes it: MLX's attention
-            // computes several causal queries differently from one, on CUDA and on the
-            // CPU (docs/verify-numerics.md). The last position
-            // sees every key: its keys and values need no slice (a graph node is host time
-            // on a GPU).
-            let upto = |a: &Array, row: i32| match row + 1 {
-                r if r == len => Ok(a.clone()),
-                r => seq_slice(a, 0, offset + r),
-            };
-            let mut outs = Vec::with_capacity(len as usize);
-            for r in 0..len {
-                let row_mask = attention_mask(offset + r, 1, s.sliding_window)?;
-                outs.push(self.attend(
-                    &seq_slice(&q, r, r + 1)?,
-                    &upto(&keys, r)?,
-                    &upto(&values, r)?,
-                    &row_mask,
-                )?);
-            }
-            concatenate(&outs, 2)?
+            self.attend_each_position(&q, &keys, &values, offset)?
         } else {
             self.attend(&q, &keys, &values, mask)?
         };
@@ -616,6 +597,80 @@ impl Attention {
                 .reshape(&[b, l, s.heads * s.head_dim])?
         };
         self.o.forward(&gated(out, gate)?)
+    }
+
+    /// Attention of `q`'s `L` positions after `offset` cached keys, one call per
+    /// position, each as a one-token step makes it: MLX's attention computes several
+    /// causal queries differently from one, on CUDA and on the CPU
+    /// (docs/verify-numerics.md). The last position sees every key: its keys and values
+    /// need no slice (a graph node is host time on a GPU).
+    fn attend_each_position(
+        &self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        offset: i32,
+    ) -> Result<Array> {
+        let len = q.shape()[2];
+        let upto = |a: &Array, row: i32| match row + 1 {
+            r if r == len => Ok(a.clone()),
+            r => seq_slice(a, 0, offset + r),
+        };
+        let mut outs = Vec::with_capacity(len as usize);
+        for r in 0..len {
+            let row_mask = attention_mask(offset + r, 1, self.spec.sliding_window)?;
+            outs.push(self.attend(
+                &seq_slice(q, r, r + 1)?,
+                &upto(keys, r)?,
+                &upto(values, r)?,
+                &row_mask,
+            )?);
+        }
+        Ok(concatenate(&outs, 2)?)
+    }
+
+    /// Several sequences at once: `x` is `[1, T, hidden]`, the rows' positions one after
+    /// another (`lens` of them each, after what each row's cache in `caches` holds). The
+    /// projections take all `T` positions in one product each; every row attends over its
+    /// own cache, causally, as [`Attention::forward`] attends a sequence alone.
+    pub fn forward_packed(
+        &self,
+        x: &Array,
+        caches: &mut [&mut KvCache],
+        lens: &[i32],
+    ) -> Result<Array> {
+        let s = &self.spec;
+        let (raw_q, raw_k, raw_v) = self.project(x)?;
+        let mut outs = Vec::with_capacity(lens.len());
+        let mut start = 0;
+        for (cache, &len) in caches.iter_mut().zip(lens) {
+            let piece = |a: &Array| slice_axis(a, 1, start, start + len);
+            let offset = cache.offset() as i32;
+            let (q, gate) = self.split_gate(piece(&raw_q)?)?;
+            let mut q = self.split_heads(q, s.heads)?;
+            if let Some(qn) = &self.q_norm {
+                q = qn.forward(&q)?;
+            }
+            let q = s.rope.forward(&q, offset)?;
+            let raw_v = raw_v.as_ref().map(piece).transpose()?;
+            let (k, v) = self.keys_values(piece(&raw_k)?, raw_v, offset)?;
+            let (keys, values) = cache.update_and_fetch(&k, &v)?;
+            let mask = attention_mask(offset, len, s.sliding_window)?;
+            let out = if attends_position_by_position(offset, len, &mask) {
+                self.attend_each_position(&q, &keys, &values, offset)?
+            } else {
+                self.attend(&q, &keys, &values, &mask)?
+            };
+            let out = match len {
+                1 => out.reshape(&[1, 1, s.heads * s.head_dim])?,
+                _ => out
+                    .transpose_axes(&[0, 2, 1, 3])?
+                    .reshape(&[1, len, s.heads * s.head_dim])?,
+            };
+            outs.push(gated(out, gate)?);
+            start += len;
+        }
+        self.o.forward(&concatenate(&outs, 1)?)
     }
 
     /// Whether dspec's CUDA attention kernel takes this forward of `q` over

@@ -289,7 +289,6 @@ impl GatedDeltaNet {
     /// `x`: `[1, L, hidden]` after what `cache` holds, or the row layout `[L, 1, hidden]`
     /// (each position through the one-token kernels, as the other layers run it).
     pub fn forward(&self, x: &Array, cache: &mut RecurrentCache) -> Result<Array> {
-        let s = &self.spec;
         let rows = is_row_layout(x);
         let len = if rows { x.shape()[0] } else { x.shape()[1] };
         let as_sequence = |a: Array| -> Result<Array> {
@@ -300,12 +299,53 @@ impl GatedDeltaNet {
             }
         };
         let [qkv, z, b, a] = self.project(x)?;
-        let (qkv, z, b, a) = (
+        let parts = [
             as_sequence(qkv)?,
             as_sequence(z)?,
             as_sequence(b)?,
             as_sequence(a)?,
-        );
+        ];
+        let gated = self.recur(parts, cache)?;
+        let out = match rows {
+            true => gated.reshape(&[len, 1, self.spec.value_width()])?,
+            false => gated,
+        };
+        self.out_proj.forward(&out)
+    }
+
+    /// Several sequences packed one after another in `x` (`[1, T, hidden]`, `lens`
+    /// positions each), each with its own state in `caches`: the projections take all
+    /// `T` positions in one product each, the recurrence runs row by row.
+    pub fn forward_packed(
+        &self,
+        x: &Array,
+        caches: &mut [&mut RecurrentCache],
+        lens: &[i32],
+    ) -> Result<Array> {
+        let parts = self.project(x)?;
+        let mut outs = Vec::with_capacity(lens.len());
+        let mut start = 0;
+        for (cache, &len) in caches.iter_mut().zip(lens) {
+            let piece = |a: &Array| slice_axis(a, 1, start, start + len);
+            let row = [
+                piece(&parts[0])?,
+                piece(&parts[1])?,
+                piece(&parts[2])?,
+                piece(&parts[3])?,
+            ];
+            outs.push(self.recur(row, cache)?);
+            start += len;
+        }
+        self.out_proj.forward(&concatenate(&outs, 1)?)
+    }
+
+    /// The layer between its projections: convolution, the gated delta rule over the
+    /// state in `cache` (advanced past the `L` new positions) and the gated norm, from
+    /// the projections `[qkv, z, b, a]` (`[1, L, ..]` each); `[1, L, value width]`.
+    fn recur(&self, parts: [Array; 4], cache: &mut RecurrentCache) -> Result<Array> {
+        let s = &self.spec;
+        let [qkv, z, b, a] = parts;
+        let len = qkv.shape()[1];
         let dtype = qkv.dtype();
         let (k_taps, channels) = (s.conv_kernel, s.conv_channels());
         let (window, state) = match cache.current() {
@@ -414,15 +454,10 @@ impl GatedDeltaNet {
         let gated = y
             .as_dtype(Dtype::Float32)?
             .multiply(z.multiply(sigmoid(&z)?)?)?
-            .as_dtype(dtype)?;
-        let out = if rows {
-            gated.reshape(&[len, 1, s.value_width()])?
-        } else {
-            gated.reshape(&[1, len, s.value_width()])?
-        };
-        let out = self.out_proj.forward(&out)?;
+            .as_dtype(dtype)?
+            .reshape(&[1, len, s.value_width()])?;
         cache.advance(len_u, states)?;
-        Ok(out)
+        Ok(gated)
     }
 
     /// `[1, L, Hk, Dk]` to `[1, L, Hv, Dk]`: value head `i` reads key head `i / (Hv/Hk)`.

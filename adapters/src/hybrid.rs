@@ -16,16 +16,17 @@ use mlx_rs::Array;
 use serde::Deserialize;
 
 use dspec_plugin_api::error::{ModelError, Result};
-use dspec_plugin_api::target::{check_forward_args, TapCollector};
+use dspec_plugin_api::target::{check_forward_args, forward_rows_one_by_one, TapCollector};
 use dspec_plugin_api::{
-    ForwardOutput, KvCache, LayerCache, ModelCache, ModelInfo, RecurrentCache, TargetModel,
-    WeightSource,
+    BatchRow, ForwardOutput, KvCache, LayerCache, ModelCache, ModelInfo, RecurrentCache,
+    TargetModel, WeightSource,
 };
 use dspec_runtime::slicing::slice_axis;
 
 use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
 };
+use crate::batch::{check_batch, rows_logits};
 use crate::config::{CommonConfig, MoeConfig, MoeDefaults};
 use crate::continuation::ContinuationLayout;
 use crate::gated_delta::{
@@ -497,6 +498,42 @@ impl TargetModel for HybridDecoder {
             }
         }
         Ok(ForwardOutput { logits, hidden })
+    }
+
+    fn forward_batch(&self, rows: &mut [BatchRow<'_>]) -> Result<Vec<Option<Array>>> {
+        if rows.len() < 2 {
+            return forward_rows_one_by_one(self, rows);
+        }
+        let lens = check_batch(rows, self.layers.len())?;
+        let tokens: Vec<&Array> = rows.iter().map(|r| r.tokens).collect();
+        let mut h = self.embed(&concatenate(&tokens, 1)?)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let x = layer.input_norm.forward(&h)?;
+            let mixed = match &layer.mixer {
+                Mixer::Attention(attn) => {
+                    let mut caches = rows
+                        .iter_mut()
+                        .map(|r| r.cache.layers_mut()[i].kv_mut())
+                        .collect::<Result<Vec<_>>>()?;
+                    attn.forward_packed(&x, &mut caches, &lens)?
+                }
+                Mixer::DeltaNet(net) => {
+                    let mut caches = rows
+                        .iter_mut()
+                        .map(|r| r.cache.layers_mut()[i].recurrent_mut())
+                        .collect::<Result<Vec<_>>>()?;
+                    net.forward_packed(&x, &mut caches, &lens)?
+                }
+            };
+            let mid = h.add(mixed)?;
+            h = mid.add(layer.mlp.forward(&layer.post_norm.forward(&mid)?)?)?;
+        }
+        let model: &dyn TargetModel = self;
+        rows_logits(model, &h, rows, &lens)
+    }
+
+    fn batches_rows(&self) -> bool {
+        true
     }
 
     fn embed(&self, tokens: &Array) -> Result<Array> {

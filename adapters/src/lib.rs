@@ -14,6 +14,7 @@
 //! continuations) sits under [`layers`] and [`attention`].
 
 pub mod attention;
+pub mod batch;
 pub mod config;
 pub mod continuation;
 pub mod cuda;

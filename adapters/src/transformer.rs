@@ -8,13 +8,14 @@ use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::Result;
-use dspec_plugin_api::target::{check_forward_args, TapCollector};
-use dspec_plugin_api::{ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
+use dspec_plugin_api::target::{check_forward_args, forward_rows_one_by_one, TapCollector};
+use dspec_plugin_api::{BatchRow, ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
 
 use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
     WHOLE_BUFFER_MAX_TOKENS,
 };
+use crate::batch::{check_batch, rows_logits};
 use crate::continuation::ContinuationLayout;
 use crate::cuda;
 use crate::layers::{
@@ -156,35 +157,37 @@ impl DecoderLayer {
         cache: &mut dspec_plugin_api::KvCache,
         mask: &Mask,
     ) -> Result<Array> {
-        let out = self.residual_blocks(x, cache, mask)?;
+        self.blocks(x, |normed| self.attn.forward(normed, cache, mask))
+    }
+
+    /// Several sequences packed one after another in `x` (`[1, T, hidden]`), each over
+    /// its own cache: see [`Attention::forward_packed`].
+    pub fn forward_packed(
+        &self,
+        x: &Array,
+        caches: &mut [&mut dspec_plugin_api::KvCache],
+        lens: &[i32],
+    ) -> Result<Array> {
+        self.blocks(x, |normed| self.attn.forward_packed(normed, caches, lens))
+    }
+
+    /// The residual blocks around `attend` (this layer's attention of the normed input).
+    fn blocks(&self, x: &Array, attend: impl FnOnce(&Array) -> Result<Array>) -> Result<Array> {
+        let out = match &self.ffn_norms {
+            None => {
+                let h = x.add(attend(&self.input_norm.forward(x)?)?)?;
+                h.add(self.mlp.forward(&self.post_attn_norm.forward(&h)?)?)?
+            }
+            Some((pre_ffn, post_ffn)) => {
+                let attn = attend(&self.input_norm.forward(x)?)?;
+                let h = x.add(self.post_attn_norm.forward(&attn)?)?;
+                let mlp = self.mlp.forward(&pre_ffn.forward(&h)?)?;
+                h.add(post_ffn.forward(&mlp)?)?
+            }
+        };
         match &self.layer_scalar {
             Some(scalar) => Ok(out.multiply(scalar)?),
             None => Ok(out),
-        }
-    }
-
-    fn residual_blocks(
-        &self,
-        x: &Array,
-        cache: &mut dspec_plugin_api::KvCache,
-        mask: &Mask,
-    ) -> Result<Array> {
-        match &self.ffn_norms {
-            None => {
-                let h = x.add(
-                    self.attn
-                        .forward(&self.input_norm.forward(x)?, cache, mask)?,
-                )?;
-                Ok(h.add(self.mlp.forward(&self.post_attn_norm.forward(&h)?)?)?)
-            }
-            Some((pre_ffn, post_ffn)) => {
-                let attn = self
-                    .attn
-                    .forward(&self.input_norm.forward(x)?, cache, mask)?;
-                let h = x.add(self.post_attn_norm.forward(&attn)?)?;
-                let mlp = self.mlp.forward(&pre_ffn.forward(&h)?)?;
-                Ok(h.add(post_ffn.forward(&mlp)?)?)
-            }
         }
     }
 }
@@ -471,6 +474,28 @@ impl TargetModel for Decoder {
                 false => Some(concatenate(&hidden, 1)?),
             },
         })
+    }
+
+    fn forward_batch(&self, rows: &mut [BatchRow<'_>]) -> Result<Vec<Option<Array>>> {
+        if rows.len() < 2 {
+            return forward_rows_one_by_one(self, rows);
+        }
+        let lens = check_batch(rows, self.layers.len())?;
+        let tokens: Vec<&Array> = rows.iter().map(|r| r.tokens).collect();
+        let mut h = self.embed(&concatenate(&tokens, 1)?)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut caches = rows
+                .iter_mut()
+                .map(|r| r.cache.layers_mut()[i].kv_mut())
+                .collect::<Result<Vec<_>>>()?;
+            h = layer.forward_packed(&h, &mut caches, &lens)?;
+        }
+        let model: &dyn TargetModel = self;
+        rows_logits(model, &h, rows, &lens)
+    }
+
+    fn batches_rows(&self) -> bool {
+        true
     }
 
     fn embed(&self, tokens: &Array) -> Result<Array> {

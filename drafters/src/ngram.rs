@@ -42,6 +42,8 @@ pub struct NgramDrafter {
     /// whose tokens are checked against what a lookup would have proposed.
     plain: bool,
     agreement: Agreement,
+    /// The longest n-gram matched (`new`'s `n`).
+    longest: usize,
 }
 
 impl NgramDrafter {
@@ -54,6 +56,7 @@ impl NgramDrafter {
             edits: EditMemory::default(),
             plain: false,
             agreement: Agreement::default(),
+            longest: n,
         }
     }
 
@@ -201,6 +204,10 @@ impl Drafter for NgramDrafter {
     /// A proposal reads the history and the copy being followed without changing them.
     fn drafts_by_lookup(&self) -> bool {
         true
+    }
+
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(NgramDrafter::new(self.longest)))
     }
 }
 

@@ -194,6 +194,13 @@ pub trait Drafter: Send {
     fn drafts_by_lookup(&self) -> bool {
         false
     }
+
+    /// A new drafter of the same kind and settings, for another sequence decoded at the
+    /// same time (a server's batch gives each sequence its own), or `None` where one is
+    /// not cheap to make (a drafter that holds a model).
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        None
+    }
 }
 
 /// Of `checked` committed tokens, the drafter would have proposed `agreed` (each guessed

@@ -26,7 +26,9 @@ pub use drafter::{
 };
 pub use error::ModelError;
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
-pub use target::{ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel};
+pub use target::{
+    BatchRow, ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel,
+};
 pub use weights::{LoraUpdate, Part, WeightSource};
 
 /// Re-exported so adapter crates and plugins submit registrations with the same

@@ -61,6 +61,70 @@ pub trait TargetModel: Send {
 
     /// The final norm applied before `lm_head` in `forward`.
     fn final_norm(&self, hidden: &Array) -> Result<Array>;
+
+    /// Runs several sequences, each over its own cache, and returns each row's wanted
+    /// logits (`[1, n, vocab]` for a row that wants `n > 0`, else `None`). A family that
+    /// answers [`TargetModel::batches_rows`] runs them in one forward, reading its
+    /// weights once for all rows; the default runs them one after another.
+    fn forward_batch(&self, rows: &mut [BatchRow<'_>]) -> Result<Vec<Option<Array>>> {
+        forward_rows_one_by_one(self, rows)
+    }
+
+    /// Whether [`TargetModel::forward_batch`] reads the weights once for all its rows
+    /// (a server batches requests only for a model that does).
+    fn batches_rows(&self) -> bool {
+        false
+    }
+}
+
+/// One sequence of a batched forward ([`TargetModel::forward_batch`]).
+pub struct BatchRow<'a> {
+    /// `[1, L>0]` ids that follow what `cache` holds.
+    pub tokens: &'a Array,
+    pub cache: &'a mut ModelCache,
+    /// How many of the last positions' logits are wanted (0 to L): none for a chunk of
+    /// a prompt that is not its last, 1 for a decode step, k + 1 for a verify of k drafts.
+    pub logits: usize,
+}
+
+/// [`TargetModel::forward_batch`] as a loop of single forwards: what families that do
+/// not batch (plugins) run, and what batched families must agree with.
+pub fn forward_rows_one_by_one<M: TargetModel + ?Sized>(
+    model: &M,
+    rows: &mut [BatchRow<'_>],
+) -> Result<Vec<Option<Array>>> {
+    rows.iter_mut()
+        .map(|row| {
+            check_batch_row(row)?;
+            let logits = model.forward(row.tokens, row.cache, &[])?.logits;
+            last_positions(&logits, row.logits)
+        })
+        .collect()
+}
+
+/// Refuses a row that wants the logits of more positions than it has.
+pub fn check_batch_row(row: &BatchRow<'_>) -> Result<()> {
+    let len = row.tokens.shape().get(1).copied().unwrap_or(0) as usize;
+    if row.logits > len {
+        return Err(ModelError::Unsupported(format!(
+            "a batch row of {len} tokens asked for the logits of its last {} positions",
+            row.logits
+        )));
+    }
+    Ok(())
+}
+
+/// The last `n` positions of `[1, L, ..]`, or `None` for none.
+pub fn last_positions(x: &Array, n: usize) -> Result<Option<Array>> {
+    let len = x.shape()[1];
+    Ok(match n as i32 {
+        0 => None,
+        n if n == len => Some(x.clone()),
+        n => Some(mlx_rs::ops::indexing::TryIndexOp::try_index(
+            x,
+            (.., (len - n)..len, ..),
+        )?),
+    })
 }
 
 /// Checks `forward`'s arguments for a model of `num_layers` decoder layers: tokens of

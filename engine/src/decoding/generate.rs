@@ -166,7 +166,7 @@ pub fn generate_until(
     );
     stats.decode_breakdown = Some(times);
     Ok(GenerationOutput {
-        text: sink.text,
+        text: sink.into_text(),
         tokens,
         stats,
     })

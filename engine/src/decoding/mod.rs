@@ -3,6 +3,7 @@
 //! tokens, the per-round draft length, log-probabilities, the prompt cache, and what a
 //! round costs. Drafters are loaded in [`crate::loading::drafting`].
 
+pub mod batch;
 pub mod draft_length;
 pub mod generate;
 pub mod logprobs;

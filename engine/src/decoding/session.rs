@@ -201,12 +201,61 @@ pub fn prefill_with_taps(
     Ok((logits, hidden))
 }
 
-/// Emits committed text through the detokenizer and stop-string matcher.
-pub(crate) struct TextSink<'a> {
-    tokenizer: &'a TextTokenizer,
+/// Committed tokens as text: detokenized as they come, with text that may be the start
+/// of a stop string held back until it is known not to be.
+pub(crate) struct TextStream {
     decoder: StreamDecoder,
     stops: StopMatcher,
+    /// Everything given out so far.
     pub(crate) text: String,
+}
+
+impl TextStream {
+    pub(crate) fn new(stop_strings: &[String]) -> Self {
+        TextStream {
+            decoder: StreamDecoder::new(true),
+            stops: StopMatcher::new(stop_strings.to_vec()),
+            text: String::new(),
+        }
+    }
+
+    /// The text `id` gives out (often empty: held back, or part of a character), and
+    /// whether a stop string completed.
+    pub(crate) fn push(
+        &mut self,
+        tokenizer: &TextTokenizer,
+        id: u32,
+    ) -> Result<(String, bool), EngineError> {
+        let piece = self.decoder.push(tokenizer, id)?;
+        let step = self.stops.push(&piece);
+        self.text.push_str(&step.emit);
+        Ok((step.emit, step.stopped))
+    }
+
+    /// The text still held back at the end (none after a stop string).
+    pub(crate) fn finish(
+        &mut self,
+        tokenizer: &TextTokenizer,
+        stopped_on_string: bool,
+    ) -> Result<String, EngineError> {
+        if stopped_on_string {
+            return Ok(String::new());
+        }
+        let rest = self.decoder.finish(tokenizer)?;
+        let step = self.stops.push(&rest);
+        let mut out = step.emit;
+        if !step.stopped {
+            out.push_str(&self.stops.finish());
+        }
+        self.text.push_str(&out);
+        Ok(out)
+    }
+}
+
+/// Emits committed text through a [`TextStream`] to a callback.
+pub(crate) struct TextSink<'a> {
+    tokenizer: &'a TextTokenizer,
+    stream: TextStream,
     on_text: &'a mut dyn FnMut(&str),
 }
 
@@ -218,38 +267,31 @@ impl<'a> TextSink<'a> {
     ) -> Self {
         TextSink {
             tokenizer,
-            decoder: StreamDecoder::new(true),
-            stops: StopMatcher::new(stop_strings.to_vec()),
-            text: String::new(),
+            stream: TextStream::new(stop_strings),
             on_text,
         }
     }
 
     /// Returns true when a stop string completed.
     pub(crate) fn push(&mut self, id: u32) -> Result<bool, EngineError> {
-        let piece = self.decoder.push(self.tokenizer, id)?;
-        let step = self.stops.push(&piece);
-        self.emit(&step.emit);
-        Ok(step.stopped)
+        let (piece, stopped) = self.stream.push(self.tokenizer, id)?;
+        self.emit(&piece);
+        Ok(stopped)
     }
 
     pub(crate) fn finish(&mut self, stopped_on_string: bool) -> Result<(), EngineError> {
-        if stopped_on_string {
-            return Ok(());
-        }
-        let rest = self.decoder.finish(self.tokenizer)?;
-        let step = self.stops.push(&rest);
-        self.emit(&step.emit);
-        if !step.stopped {
-            let held = self.stops.finish();
-            self.emit(&held);
-        }
+        let rest = self.stream.finish(self.tokenizer, stopped_on_string)?;
+        self.emit(&rest);
         Ok(())
+    }
+
+    /// Everything given out.
+    pub(crate) fn into_text(self) -> String {
+        self.stream.text
     }
 
     fn emit(&mut self, s: &str) {
         if !s.is_empty() {
-            self.text.push_str(s);
             (self.on_text)(s);
         }
     }

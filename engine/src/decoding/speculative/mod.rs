@@ -257,7 +257,7 @@ pub fn generate_speculative(
     )
     .with_cached_prompt(cached_prompt);
     Ok(SpeculativeOutput {
-        text: committer.sink.text,
+        text: committer.sink.into_text(),
         tokens: committer.tokens,
         logprobs: logprobs.map(|sink| sink.all),
         stats,

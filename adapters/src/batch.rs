@@ -1,0 +1,324 @@
+//! What the built-in families share to run several sequences in one forward
+//! ([`TargetModel::forward_batch`]): the rows' checks, and their logits from the packed
+//! hidden states, through the final norm and head for the wanted positions only.
+
+use mlx_rs::Array;
+
+use dspec_plugin_api::error::Result;
+use dspec_plugin_api::target::{check_batch_row, check_forward_args};
+use dspec_plugin_api::{BatchRow, TargetModel};
+use dspec_runtime::slicing::slice_axis;
+
+/// Checks every row as a forward of its own would be checked; returns their lengths.
+pub fn check_batch(rows: &[BatchRow<'_>], num_layers: usize) -> Result<Vec<i32>> {
+    rows.iter()
+        .map(|row| {
+            check_forward_args(row.tokens, row.cache, &[], num_layers)?;
+            check_batch_row(row)?;
+            Ok(row.tokens.shape()[1])
+        })
+        .collect()
+}
+
+/// Each row's wanted logits from `h`, the final layer's output over the packed rows
+/// (`[1, T, hidden]`, rows of `lens` positions one after another). A prompt's chunk
+/// wants none, so a batch that reads long prompts never projects them onto the
+/// vocabulary.
+pub fn rows_logits(
+    model: &dyn TargetModel,
+    h: &Array,
+    rows: &[BatchRow<'_>],
+    lens: &[i32],
+) -> Result<Vec<Option<Array>>> {
+    let mut wanted = Vec::new();
+    let mut end = 0;
+    for (row, &len) in rows.iter().zip(lens) {
+        end += len;
+        wanted.extend((end - row.logits as i32)..end);
+    }
+    if wanted.is_empty() {
+        return Ok(rows.iter().map(|_| None).collect());
+    }
+    let picked = match wanted.len() as i32 == end {
+        true => h.clone(),
+        false => h.take_axis(Array::from_slice(&wanted, &[wanted.len() as i32]), 1)?,
+    };
+    let logits = model.lm_head(&model.final_norm(&picked)?)?;
+    let mut at = 0;
+    rows.iter()
+        .map(|row| {
+            let n = row.logits as i32;
+            at += n;
+            Ok(match n {
+                0 => None,
+                _ => Some(slice_axis(&logits, 1, at - n, at)?),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::{Array, Dtype};
+
+    use dspec_plugin_api::{BatchRow, LoadOptions, ModelCache, TargetModel};
+
+    use crate::fixtures::{
+        load_dir, with, write_random_model, TINY_LLAMA, TINY_QWEN3_5_OVERRIDES,
+        TINY_QWEN3_NEXT_OVERRIDES,
+    };
+
+    /// One call of a schedule for one row: `tokens` more of its sequence with the logits
+    /// of the last `logits` wanted, after trimming `trim` positions (a rejected draft).
+    #[derive(Clone, Copy)]
+    struct Call {
+        trim: usize,
+        tokens: usize,
+        logits: usize,
+    }
+
+    const fn call(trim: usize, tokens: usize, logits: usize) -> Call {
+        Call {
+            trim,
+            tokens,
+            logits,
+        }
+    }
+
+    const STEPS: usize = 5;
+
+    /// Three sequences as a server meets them: a prompt read in one go, one read in two
+    /// chunks, decode steps, verifies of several drafts, and rejected drafts trimmed;
+    /// in every call the rows are at different lengths and positions.
+    fn schedule() -> [[Call; STEPS]; 3] {
+        [
+            [
+                call(0, 7, 1),
+                call(0, 1, 1),
+                call(0, 4, 4),
+                call(2, 1, 1),
+                call(0, 1, 1),
+            ],
+            [
+                call(0, 3, 1),
+                call(0, 5, 5),
+                call(0, 1, 1),
+                call(0, 1, 1),
+                call(3, 6, 6),
+            ],
+            [
+                call(0, 9, 0),
+                call(0, 6, 1),
+                call(0, 1, 1),
+                call(0, 3, 3),
+                call(1, 1, 1),
+            ],
+        ]
+    }
+
+    fn sequence(row: usize) -> Vec<u32> {
+        (0..40)
+            .map(|i| ((i * 31 + row * 17 + 5) % 97) as u32)
+            .collect()
+    }
+
+    /// Each call's wanted logits for every row, the rows run together through
+    /// `forward_batch` (`batched`) or each alone through `forward`.
+    fn run(model: &dyn TargetModel, batched: bool) -> Vec<Vec<f32>> {
+        let plan = schedule();
+        let sequences: Vec<Vec<u32>> = (0..3).map(sequence).collect();
+        let mut caches: Vec<ModelCache> = (0..3).map(|_| model.new_cache()).collect();
+        for cache in &mut caches {
+            cache.set_rollback_window(8);
+        }
+        let mut at = [0usize; 3];
+        let mut out = Vec::new();
+        let steps: Vec<[Call; 3]> = (0..STEPS)
+            .map(|s| [plan[0][s], plan[1][s], plan[2][s]])
+            .collect();
+        for (step, calls) in steps.iter().enumerate() {
+            let mut tokens = Vec::new();
+            for (row, cache) in caches.iter_mut().enumerate() {
+                let c = calls[row];
+                cache.trim(c.trim).expect("trim");
+                at[row] -= c.trim;
+                let ids = &sequences[row][at[row]..at[row] + c.tokens];
+                tokens.push(Array::from_slice(ids, &[1, c.tokens as i32]));
+                at[row] += c.tokens;
+            }
+            let mut rows: Vec<BatchRow> = tokens
+                .iter()
+                .zip(caches.iter_mut())
+                .enumerate()
+                .map(|(row, (tokens, cache))| BatchRow {
+                    tokens,
+                    cache,
+                    logits: calls[row].logits,
+                })
+                .collect();
+            let logits = match batched {
+                true => model.forward_batch(&mut rows).expect("batched forward"),
+                false => rows
+                    .iter_mut()
+                    .map(|row| {
+                        model
+                            .forward_batch(std::slice::from_mut(row))
+                            .expect("forward")
+                            .remove(0)
+                    })
+                    .collect(),
+            };
+            for (row, l) in logits.into_iter().enumerate() {
+                let wanted = calls[row].logits;
+                match l {
+                    None => assert_eq!(wanted, 0, "row {row}, call {step}: no logits"),
+                    Some(l) => {
+                        assert_eq!(l.shape()[1] as usize, wanted, "row {row}, call {step}");
+                        let l = l.as_dtype(Dtype::Float32).expect("cast");
+                        out.push(l.as_slice::<f32>().to_vec());
+                    }
+                }
+            }
+            for (row, cache) in caches.iter().enumerate() {
+                assert_eq!(
+                    cache.offset(),
+                    at[row],
+                    "row {row}'s cache after call {step}"
+                );
+            }
+        }
+        out
+    }
+
+    /// 4 experts, 2 per position, renormalised; a gated shared expert where `shared`.
+    fn experts(shared: bool) -> String {
+        let shared = match shared {
+            true => r#", "shared_expert_intermediate_size": 32"#,
+            false => "",
+        };
+        format!(
+            r#"{{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "norm_topk_prob": true{shared}}}"#
+        )
+    }
+
+    /// Rows run together give what each row gives alone, within f32 rounding (a product
+    /// of several rows may sum in another order than one of a single row), and the same
+    /// greedy tokens, for dense families (plain, q/k norms, a sliding window with score
+    /// softcapping), mixtures of experts and the hybrids.
+    #[test]
+    fn rows_run_together_give_what_each_gives_alone() {
+        let families = [
+            ("llama", TINY_LLAMA.to_string()),
+            (
+                "qwen3",
+                with(TINY_LLAMA, r#"{"model_type": "qwen3", "head_dim": 16}"#),
+            ),
+            (
+                "gemma2",
+                with(
+                    TINY_LLAMA,
+                    r#"{"model_type": "gemma2", "head_dim": 16, "query_pre_attn_scalar": 24,
+                        "sliding_window": 5, "attn_logit_softcapping": 50.0,
+                        "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"}"#,
+                ),
+            ),
+            (
+                "qwen3_moe",
+                with(
+                    &with(
+                        TINY_LLAMA,
+                        r#"{"model_type": "qwen3_moe", "head_dim": 16, "mlp_only_layers": [1]}"#,
+                    ),
+                    &experts(false),
+                ),
+            ),
+            ("qwen3_5", with(TINY_LLAMA, TINY_QWEN3_5_OVERRIDES)),
+            (
+                "qwen3_next",
+                with(
+                    &with(
+                        &with(TINY_LLAMA, TINY_QWEN3_5_OVERRIDES),
+                        TINY_QWEN3_NEXT_OVERRIDES,
+                    ),
+                    &experts(true),
+                ),
+            ),
+        ];
+        for (name, config) in families {
+            let dir = tempfile::tempdir().expect("temp dir");
+            write_random_model(dir.path(), &config, 11, None).expect("fixture");
+            let options = LoadOptions {
+                dtype: Some(Dtype::Float32),
+                ..LoadOptions::default()
+            };
+            let model = load_dir(dir.path(), &options).expect("load");
+            assert!(model.batches_rows(), "{name} batches its rows");
+            let (together, alone) = (run(model.as_ref(), true), run(model.as_ref(), false));
+            assert_eq!(together.len(), alone.len());
+            for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+                let largest = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let worst = t
+                    .iter()
+                    .zip(a)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= 1e-4 * largest.max(1.0),
+                    "{name}, logits {i}: differ by {worst} (largest {largest})"
+                );
+                let argmax = |l: &[f32]| -> Vec<usize> {
+                    l.chunks(97)
+                        .map(|p| {
+                            (0..p.len())
+                                .max_by(|&x, &y| p[x].total_cmp(&p[y]))
+                                .unwrap_or(0)
+                        })
+                        .collect()
+                };
+                assert_eq!(argmax(t), argmax(a), "{name}, logits {i}: greedy tokens");
+            }
+        }
+    }
+
+    /// A row asking for more logits than it has positions, or a cache of another model,
+    /// is refused before anything runs.
+    #[test]
+    fn bad_rows_are_refused() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, 3, None).expect("fixture");
+        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        let ids = Array::from_slice(&[1u32, 2, 3], &[1, 3]);
+        let (mut a, mut b) = (model.new_cache(), model.new_cache());
+        let mut rows = [
+            BatchRow {
+                tokens: &ids,
+                cache: &mut a,
+                logits: 1,
+            },
+            BatchRow {
+                tokens: &ids,
+                cache: &mut b,
+                logits: 4,
+            },
+        ];
+        let err = model.forward_batch(&mut rows).expect_err("refused");
+        assert!(err.to_string().contains("last 4 positions"), "{err}");
+        assert_eq!(a.offset(), 0, "nothing ran");
+        let mut other = ModelCache::new(1);
+        let mut rows = [
+            BatchRow {
+                tokens: &ids,
+                cache: &mut a,
+                logits: 1,
+            },
+            BatchRow {
+                tokens: &ids,
+                cache: &mut other,
+                logits: 1,
+            },
+        ];
+        let err = model.forward_batch(&mut rows).expect_err("refused");
+        assert!(err.to_string().contains("different model"), "{err}");
+    }
+}

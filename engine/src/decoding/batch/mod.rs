@@ -1,0 +1,318 @@
+//! Continuous batching: many sequences decoded together, each step one forward of the
+//! target over every active sequence ([`TargetModel::forward_batch`]), which reads the
+//! weights once for all of them. Sequences join and leave between steps. Prompts are
+//! read in chunks within a budget of positions per step, so a long prompt never holds
+//! the others up for its whole prefill. Each sequence keeps its own cache, sampler,
+//! stop conditions and text and, with a drafter of its own, its own drafts: a step then
+//! verifies every sequence's drafts in the same forward and accepts per sequence exactly
+//! as a generation alone does (lossless, greedy and sampled). How many drafts each
+//! sequence gets follows the load ([`budget`]).
+
+mod budget;
+mod sequence;
+
+use std::time::Instant;
+
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::Array;
+
+use dspec_plugin_api::{BatchRow, TargetModel};
+
+use crate::decoding::logprobs::TokenLogprob;
+use crate::decoding::sampling::{argmax_ids, host_ids, EnginePicker};
+use crate::decoding::speculative::acceptance::{accept_sampled, greedy_prefix, Accepted};
+use crate::error::EngineError;
+use crate::text::tokenizer::TextTokenizer;
+use budget::{allocate, Offer, StepCosts};
+use sequence::Sequence;
+pub use sequence::{Finished, NewSequence, SequenceId};
+
+/// Prompt positions a step reads at most, over all sequences joining: enough that a
+/// prompt is read in a few steps, few enough that the sequences decoding meanwhile are
+/// held up for a fraction of a second on a CPU, less on a GPU.
+pub const PREFILL_POSITIONS_PER_STEP: usize = 256;
+
+/// How many of the drafts offered a step verifies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftBudget {
+    /// As many as pay for their positions at the current load ([`budget`]).
+    FollowLoad,
+    /// Every draft offered, up to the maximum: for tests and for measuring verifies.
+    Everything,
+}
+
+/// What one step did for one sequence.
+pub struct Progress {
+    pub id: SequenceId,
+    /// Text committed this step (often empty: held back, or part of a character).
+    pub text: String,
+    /// The committed tokens' log-probabilities, when the sequence asked for them.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set when the sequence ended this step; it has left the batch.
+    pub finished: Option<Box<Finished>>,
+}
+
+/// The sequences decoding together over one target.
+pub struct BatchDecoder<'m> {
+    model: &'m dyn TargetModel,
+    tokenizer: &'m TextTokenizer,
+    sequences: Vec<Sequence>,
+    next_id: u64,
+    max_draft: usize,
+    prefill_positions: usize,
+    draft_budget: DraftBudget,
+    costs: StepCosts,
+}
+
+/// What a step feeds one sequence.
+enum Row {
+    /// A chunk of its prompt, for the cache only.
+    Prompt(usize),
+    /// Its newest token, then its drafts.
+    Decode(Vec<u32>),
+}
+
+impl<'m> BatchDecoder<'m> {
+    /// A batch over `model`; sequences with a drafter verify at most `max_draft` drafts a
+    /// round.
+    pub fn new(model: &'m dyn TargetModel, tokenizer: &'m TextTokenizer, max_draft: usize) -> Self {
+        Self {
+            model,
+            tokenizer,
+            sequences: Vec::new(),
+            next_id: 0,
+            max_draft,
+            prefill_positions: PREFILL_POSITIONS_PER_STEP,
+            draft_budget: DraftBudget::FollowLoad,
+            costs: StepCosts::default(),
+        }
+    }
+
+    /// Prompt positions a step may read (at least 1).
+    pub fn with_prefill_positions(mut self, positions: usize) -> Self {
+        self.prefill_positions = positions.max(1);
+        self
+    }
+
+    pub fn with_draft_budget(mut self, budget: DraftBudget) -> Self {
+        self.draft_budget = budget;
+        self
+    }
+
+    pub fn len(&self) -> usize {
+        self.sequences.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+
+    /// Adds a sequence, which takes part from the next step on. A prompt the model
+    /// cannot take (empty, ids past its vocabulary, longer than its context) is refused
+    /// here, leaving the others untouched.
+    pub fn add(&mut self, new: NewSequence) -> Result<SequenceId, EngineError> {
+        let id = SequenceId(self.next_id);
+        let sequence = Sequence::new(id, self.model, new, self.max_draft)?;
+        self.next_id += 1;
+        self.sequences.push(sequence);
+        Ok(id)
+    }
+
+    /// Drops a sequence (its client went away); false when it is not in the batch.
+    pub fn cancel(&mut self, id: SequenceId) -> bool {
+        let before = self.sequences.len();
+        self.sequences.retain(|s| s.id != id);
+        self.sequences.len() < before
+    }
+
+    /// One forward over every sequence that has something to feed: prompt chunks within
+    /// the step's budget, and each decoding sequence's newest token with the drafts
+    /// granted to it. Returns what each sequence committed; finished sequences leave.
+    pub fn step(&mut self) -> Result<Vec<Progress>, EngineError> {
+        let start = Instant::now();
+        let rows = self.plan()?;
+        let arrays: Vec<Option<Array>> = self
+            .sequences
+            .iter()
+            .zip(&rows)
+            .map(|(s, row)| {
+                row.as_ref().map(|row| match row {
+                    Row::Prompt(n) => {
+                        let ids = &s.prompt[s.read..s.read + n];
+                        Array::from_slice(ids, &[1, *n as i32])
+                    }
+                    Row::Decode(drafts) => {
+                        let ids: Vec<u32> = [s.last].iter().chain(drafts).copied().collect();
+                        Array::from_slice(&ids, &[1, ids.len() as i32])
+                    }
+                })
+            })
+            .collect();
+        let positions: usize = arrays.iter().flatten().map(|a| a.shape()[1] as usize).sum();
+        if positions == 0 {
+            return Ok(Vec::new());
+        }
+        let mut batch: Vec<BatchRow> = self
+            .sequences
+            .iter_mut()
+            .zip(&arrays)
+            .zip(&rows)
+            .filter_map(|((s, tokens), row)| {
+                let (tokens, row) = (tokens.as_ref()?, row.as_ref()?);
+                Some(BatchRow {
+                    tokens,
+                    logits: match row {
+                        Row::Prompt(_) => 0,
+                        Row::Decode(drafts) => drafts.len() + 1,
+                    },
+                    cache: &mut s.cache,
+                })
+            })
+            .collect();
+        let mut outputs = self.model.forward_batch(&mut batch)?.into_iter();
+        drop(batch);
+        // Each decoding row's logits `[n, vocab]`, and under greedy decoding its argmax,
+        // all evaluated with every cache in one wait.
+        let mut logits: Vec<Option<Array>> = Vec::with_capacity(rows.len());
+        for row in &rows {
+            logits.push(match row {
+                Some(_) => outputs
+                    .next()
+                    .flatten()
+                    .map(|l| l.try_index(0))
+                    .transpose()?,
+                None => None,
+            });
+        }
+        let greedy: Vec<Option<Array>> = self
+            .sequences
+            .iter()
+            .zip(&logits)
+            .map(|(s, l)| match (l, &s.sampler) {
+                (Some(l), None) => argmax_ids(l).map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<_, _>>()?;
+        mlx_rs::transforms::eval(
+            greedy
+                .iter()
+                .flatten()
+                .chain(self.sequences.iter().flat_map(|s| s.cache.state())),
+        )?;
+        let mut progress = Vec::new();
+        let mut ended = Vec::new();
+        for (i, ((row, logits), greedy)) in rows.into_iter().zip(logits).zip(greedy).enumerate() {
+            let s = &mut self.sequences[i];
+            let drafts = match row {
+                None => continue,
+                Some(Row::Prompt(n)) => {
+                    s.read += n;
+                    continue;
+                }
+                Some(Row::Decode(drafts)) => drafts,
+            };
+            let logits = logits.ok_or_else(|| {
+                EngineError::Mlx("a decoding row of a batched step got no logits".into())
+            })?;
+            let Accepted {
+                drafts: accepted,
+                token,
+            } = match s.sampler.as_mut() {
+                Some(sampler) => accept_sampled(&logits, &drafts, None, sampler)?,
+                None => {
+                    let argmax = greedy.as_ref().ok_or_else(|| {
+                        EngineError::Mlx("a greedy row of a batched step got no argmax".into())
+                    })?;
+                    greedy_prefix(&host_ids(argmax)?, &drafts)?
+                }
+            };
+            s.cache.trim(drafts.len() - accepted)?;
+            let (text, entries, stop) =
+                s.end_round(self.tokenizer, &drafts, accepted, token, Some(&logits))?;
+            progress.push(Progress {
+                id: s.id,
+                text,
+                logprobs: entries,
+                finished: None,
+            });
+            if let Some(stop) = stop {
+                ended.push((s.id, stop));
+            }
+        }
+        self.costs.observe(positions, start.elapsed().as_secs_f64());
+        for (id, stop) in ended {
+            let Some(at) = self.sequences.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            let (rest, finished) = self
+                .sequences
+                .swap_remove(at)
+                .finish(self.tokenizer, stop)?;
+            if let Some(p) = progress.iter_mut().find(|p| p.id == id) {
+                p.text.push_str(&rest);
+                p.finished = Some(Box::new(finished));
+            }
+        }
+        Ok(progress)
+    }
+
+    /// What each sequence feeds this step: prompt chunks first come, first served within
+    /// the budget; every decoding sequence its newest token, with the drafts granted from
+    /// what its drafter offers.
+    fn plan(&mut self) -> Result<Vec<Option<Row>>, EngineError> {
+        let mut budget = self.prefill_positions;
+        let mut rows = Vec::with_capacity(self.sequences.len());
+        let mut offered: Vec<(usize, Vec<u32>, f64)> = Vec::new();
+        let mut positions = 0;
+        for (i, s) in self.sequences.iter_mut().enumerate() {
+            let left = s.prompt_left();
+            if left > 0 {
+                let n = left.min(budget);
+                budget -= n;
+                positions += n;
+                rows.push((n > 0).then_some(Row::Prompt(n)));
+                continue;
+            }
+            positions += 1;
+            // The first decode row feeds the prompt's last token: drafts follow committed
+            // tokens only, as in a generation alone.
+            let cap = match s.has_committed() {
+                true => s.draft_cap(self.max_draft),
+                false => 0,
+            };
+            if let (Some(drafter), true) = (s.drafter.as_mut(), cap > 0) {
+                let mut picker = EnginePicker {
+                    sampler: s.sampler.as_mut(),
+                };
+                let mut draft = drafter.propose(self.model, s.last, cap, &mut picker)?;
+                draft.truncate(cap)?;
+                let tokens = draft.read()?.to_vec();
+                if !tokens.is_empty() {
+                    offered.push((i, tokens, s.alpha()));
+                }
+            }
+            rows.push(Some(Row::Decode(Vec::new())));
+        }
+        let offers: Vec<Offer> = offered
+            .iter()
+            .map(|(_, tokens, alpha)| Offer {
+                available: tokens.len(),
+                alpha: *alpha,
+            })
+            .collect();
+        let granted = match (self.draft_budget, self.costs.model()) {
+            (DraftBudget::Everything, _) => offers.iter().map(|o| o.available).collect(),
+            // Before any step is timed, a plain step is timed first.
+            (DraftBudget::FollowLoad, None) => vec![0; offers.len()],
+            (DraftBudget::FollowLoad, Some(costs)) => {
+                let decoding = rows.iter().filter(|r| matches!(r, Some(Row::Decode(_))));
+                allocate(&offers, positions, decoding.count() as f64, costs)
+            }
+        };
+        for ((i, mut tokens, _), k) in offered.into_iter().zip(granted) {
+            tokens.truncate(k);
+            rows[i] = Some(Row::Decode(tokens));
+        }
+        Ok(rows)
+    }
+}

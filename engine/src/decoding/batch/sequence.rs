@@ -1,0 +1,317 @@
+//! One sequence of a batch: its prompt and cache, how its tokens are chosen, what it
+//! has committed so far, and its numbers.
+
+use std::time::Instant;
+
+use mlx_rs::Array;
+
+use dspec_plugin_api::{Drafter, ModelCache, TargetModel};
+
+use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
+use crate::decoding::sampling::Sampler;
+use crate::decoding::session::{
+    context_limit, GenerationConfig, GenerationStats, StopReason, TextStream,
+};
+use crate::decoding::speculative::SpeculativeStats;
+use crate::error::EngineError;
+use crate::text::tokenizer::TextTokenizer;
+
+/// A sequence's handle in its batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SequenceId(pub u64);
+
+/// What a caller asks a batch to generate.
+pub struct NewSequence {
+    pub prompt: Vec<u32>,
+    pub config: GenerationConfig,
+    /// This sequence's own drafter (one per sequence: a drafter holds its sequence's
+    /// state), begun here; `None` decodes plainly.
+    pub drafter: Option<Box<dyn Drafter>>,
+    /// Report each generated token's log-probability and its position's `n` likeliest.
+    pub logprobs: Option<usize>,
+    /// A cache already holding the prompt's first tokens (a prompt cache's), and how many.
+    pub reused: Option<(ModelCache, usize)>,
+}
+
+/// A finished sequence: its output, its numbers, and its cache (which holds the prompt
+/// and the tokens fed so far, for a prompt cache to keep).
+pub struct Finished {
+    pub prompt: Vec<u32>,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub stats: GenerationStats,
+    pub speculative: SpeculativeStats,
+    /// When asked for: one entry per generated token but an ending EOS.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    pub cache: ModelCache,
+}
+
+/// Per-sequence counts behind its [`SpeculativeStats`].
+#[derive(Default)]
+struct Tally {
+    forwards: usize,
+    drafted: usize,
+    accepted: usize,
+    acceptance_histogram: Vec<usize>,
+    draft_histogram: Vec<usize>,
+}
+
+impl Tally {
+    fn round(&mut self, drafted: usize, accepted: usize) {
+        let bump = |h: &mut Vec<usize>, i: usize| {
+            if h.len() <= i {
+                h.resize(i + 1, 0);
+            }
+            h[i] += 1;
+        };
+        self.forwards += 1;
+        self.drafted += drafted;
+        self.accepted += accepted;
+        bump(&mut self.draft_histogram, drafted);
+        bump(&mut self.acceptance_histogram, accepted);
+    }
+}
+
+/// How often drafts are kept: decayed counts, so a sequence whose text turns from a copy
+/// to new prose stops being granted drafts within a few rounds.
+const DECAY: f64 = 0.8;
+
+pub(super) struct Sequence {
+    pub(super) id: SequenceId,
+    pub(super) prompt: Vec<u32>,
+    pub(super) cache: ModelCache,
+    /// Prompt tokens in the cache. All but the last are read in chunks; the last goes in
+    /// as the first decode row, as plain decoding feeds it.
+    pub(super) read: usize,
+    cached_prompt: usize,
+    config: GenerationConfig,
+    pub(super) sampler: Option<Sampler>,
+    pub(super) drafter: Option<Box<dyn Drafter>>,
+    logprobs: Option<usize>,
+    all_logprobs: Vec<TokenLogprob>,
+    stream: TextStream,
+    tokens: Vec<u32>,
+    context_left: usize,
+    /// The newest token, which the next decode row feeds: the prompt's last, then the
+    /// token each round ends with.
+    pub(super) last: u32,
+    started: Instant,
+    first_token: Option<Instant>,
+    kept: f64,
+    rejected: f64,
+    tally: Tally,
+}
+
+impl Sequence {
+    pub(super) fn new(
+        id: SequenceId,
+        model: &dyn TargetModel,
+        new: NewSequence,
+        max_draft: usize,
+    ) -> Result<Self, EngineError> {
+        let NewSequence {
+            prompt,
+            config,
+            mut drafter,
+            logprobs,
+            reused,
+        } = new;
+        let Some(&last) = prompt.last() else {
+            return Err(EngineError::EmptyPrompt);
+        };
+        crate::decoding::session::check_prompt_ids(model, &prompt)?;
+        let limit = context_limit(model, &prompt)?;
+        if config.max_tokens == 0 {
+            return Err(EngineError::Invalid("max_tokens must be at least 1".into()));
+        }
+        let (mut cache, mut read) = match reused {
+            Some((cache, reused)) => (cache, reused),
+            None => (model.new_cache(), 0),
+        };
+        // The prompt's last token is always fed as a decode row.
+        if read >= prompt.len() {
+            cache.trim(read + 1 - prompt.len())?;
+            read = prompt.len() - 1;
+        }
+        cache.reserve_for_generation((prompt.len() + config.max_tokens).min(limit));
+        // Rounds forget rejected drafts: recurrent layers keep that many past states.
+        cache.set_rollback_window(if drafter.is_some() { max_draft } else { 0 });
+        if let Some(d) = drafter.as_mut() {
+            d.begin(model, &prompt, None)?;
+        }
+        Ok(Self {
+            id,
+            cached_prompt: read,
+            read,
+            cache,
+            stream: TextStream::new(&config.stop_strings),
+            sampler: Sampler::unless_greedy(&config.sampling),
+            context_left: limit - prompt.len(),
+            config,
+            drafter,
+            logprobs,
+            all_logprobs: Vec::new(),
+            tokens: Vec::new(),
+            last,
+            prompt,
+            started: Instant::now(),
+            first_token: None,
+            kept: 0.0,
+            rejected: 0.0,
+            tally: Tally::default(),
+        })
+    }
+
+    /// Whether a token has been committed (the first comes from the prompt's last).
+    pub(super) fn has_committed(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// Prompt tokens still to be read as chunks (all but the last).
+    pub(super) fn prompt_left(&self) -> usize {
+        (self.prompt.len() - 1).saturating_sub(self.read)
+    }
+
+    /// Tokens that may still be committed (at least 1 while the sequence goes on).
+    pub(super) fn room(&self) -> usize {
+        let done = self.tokens.len();
+        (self.config.max_tokens - done).min(self.context_left - done)
+    }
+
+    /// The most drafts a round may verify now.
+    pub(super) fn draft_cap(&self, max_draft: usize) -> usize {
+        let window = self.cache.rollback_window().unwrap_or(usize::MAX);
+        max_draft.min(window).min(self.room().saturating_sub(1))
+    }
+
+    /// The chance a draft is kept (Laplace-smoothed, decayed).
+    pub(super) fn alpha(&self) -> f64 {
+        (self.kept + 1.0) / (self.kept + self.rejected + 2.0)
+    }
+
+    /// Ends a round that fed `[last, drafts…]`: the target kept `accepted` drafts and
+    /// added `token` (`logits`: the round's rows, for log-probabilities). The drafter
+    /// hears of the positions kept; tokens are committed one by one, stopping exactly
+    /// where plain decoding would. Returns the text given out and why the sequence ends,
+    /// if it does.
+    pub(super) fn end_round(
+        &mut self,
+        tokenizer: &TextTokenizer,
+        drafts: &[u32],
+        accepted: usize,
+        token: u32,
+        logits: Option<&Array>,
+    ) -> Result<(String, Vec<TokenLogprob>, Option<StopReason>), EngineError> {
+        // The first round fed the prompt's last token, which the drafter began with.
+        let first_round = !self.has_committed();
+        self.first_token.get_or_insert_with(Instant::now);
+        self.tally.round(drafts.len(), accepted);
+        if !drafts.is_empty() {
+            self.kept = self.kept * DECAY + accepted as f64;
+            self.rejected = self.rejected * DECAY + f64::from(u8::from(accepted < drafts.len()));
+        }
+        if let (Some(d), false) = (self.drafter.as_mut(), first_round) {
+            let mut verified = Vec::with_capacity(accepted + 1);
+            verified.push(self.last);
+            verified.extend_from_slice(&drafts[..accepted]);
+            d.commit(&verified, None)?;
+        }
+        let committed: Vec<u32> = drafts[..accepted].iter().copied().chain([token]).collect();
+        let entries = match (self.logprobs, logits) {
+            (Some(top), Some(logits)) => Some(token_logprobs(logits, &committed, top)?),
+            _ => None,
+        };
+        let mut text = String::new();
+        let mut stop = None;
+        let mut count = 0;
+        for &t in &committed {
+            count += 1;
+            stop = self.push(tokenizer, t, &mut text)?;
+            if stop.is_some() {
+                break;
+            }
+        }
+        let mut entries = entries.unwrap_or_default();
+        entries.truncate(count);
+        if stop == Some(StopReason::Eos) {
+            entries.pop();
+        }
+        self.all_logprobs.extend(entries.iter().cloned());
+        self.last = token;
+        Ok((text, entries, stop))
+    }
+
+    /// Commits one token (plain decoding's order of checks); its text goes to `text`.
+    fn push(
+        &mut self,
+        tokenizer: &TextTokenizer,
+        token: u32,
+        text: &mut String,
+    ) -> Result<Option<StopReason>, EngineError> {
+        self.tokens.push(token);
+        if self.config.eos_ids.contains(&token) {
+            return Ok(Some(StopReason::Eos));
+        }
+        let (piece, stopped) = self.stream.push(tokenizer, token)?;
+        text.push_str(&piece);
+        if stopped {
+            return Ok(Some(StopReason::StopString));
+        }
+        let done = self.tokens.len();
+        if done >= self.config.max_tokens {
+            return Ok(Some(StopReason::MaxTokens));
+        }
+        if done >= self.context_left {
+            return Ok(Some(StopReason::ContextLength));
+        }
+        Ok(None)
+    }
+
+    /// The sequence's end: the text still held back, and what it made.
+    pub(super) fn finish(
+        mut self,
+        tokenizer: &TextTokenizer,
+        stop: StopReason,
+    ) -> Result<(String, Finished), EngineError> {
+        let rest = self
+            .stream
+            .finish(tokenizer, stop == StopReason::StopString)?;
+        let now = Instant::now();
+        let first = self.first_token.unwrap_or(now);
+        let stats = GenerationStats::new(
+            self.prompt.len(),
+            self.tokens.len(),
+            (first - self.started).as_secs_f64(),
+            (now - first).as_secs_f64(),
+            stop,
+        )
+        .with_cached_prompt(self.cached_prompt);
+        let t = &self.tally;
+        let speculative = SpeculativeStats {
+            drafter: self
+                .drafter
+                .as_ref()
+                .map_or("none", |d| d.name())
+                .to_string(),
+            target_forwards: t.forwards,
+            drafted_tokens: t.drafted,
+            accepted_tokens: t.accepted,
+            tau: self.tokens.len() as f64 / t.forwards.max(1) as f64,
+            acceptance_histogram: t.acceptance_histogram.clone(),
+            draft_histogram: t.draft_histogram.clone(),
+            draft_time_share: 0.0,
+            round_cost: None,
+            round_times: Vec::new(),
+        };
+        let finished = Finished {
+            prompt: self.prompt,
+            tokens: self.tokens,
+            text: self.stream.text,
+            stats,
+            speculative,
+            logprobs: self.logprobs.map(|_| self.all_logprobs),
+            cache: self.cache,
+        };
+        Ok((rest, finished))
+    }
+}

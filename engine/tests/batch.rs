@@ -1,0 +1,315 @@
+//! Continuous batching against each sequence decoded alone: many sequences in one
+//! batch, joining while others decode, prompts read in chunks, with and without drafts,
+//! must give each sequence exactly what plain decoding gives it alone (greedy, and
+//! sampled with its own seed), and speculative sampling in a batch must keep the
+//! target's distribution.
+
+mod common;
+
+use std::collections::HashMap;
+
+use dspec_adapters::fixtures::{with, TINY_QWEN3_5_OVERRIDES};
+use dspec_drafters::ngram::NgramDrafter;
+use dspec_engine::decoding::batch::{BatchDecoder, DraftBudget, Finished, NewSequence, SequenceId};
+use dspec_engine::decoding::generate::{generate, GenerationConfig};
+use dspec_engine::decoding::sampling::SamplingParams;
+use dspec_engine::loading::LoadedModel;
+use dspec_plugin_api::Drafter;
+
+use common::lossless::{chi_square, exact_joint, greedy_path, params, FixedDrafter, SAMPLES};
+use common::tiny_target;
+
+/// The ids of the tiny models' end-of-text token.
+const EOS: u32 = 256;
+
+/// Prompts of different lengths, some repeating themselves (so lookups find drafts), one
+/// longer than a step's prompt budget in the tests below.
+fn prompts() -> Vec<Vec<u32>> {
+    let text = |s: &str| s.bytes().map(u32::from).collect::<Vec<u32>>();
+    vec![
+        text("Hi"),
+        text("the cat sat on the mat; the cat sat on the"),
+        text("fn add(a: i32, b: i32) -> i32 { a + b }\nfn add(a: i32, b: i32) -> i32 {"),
+        text("abcabcabcabcabcabcabcabcabcabcabcabc"),
+        text(&"lorem ipsum dolor sit amet, ".repeat(5)),
+        text("Q: 2+2? A:"),
+    ]
+}
+
+fn config(max_tokens: usize, sampling: SamplingParams) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling,
+        stop_strings: Vec::new(),
+        eos_ids: vec![EOS],
+    }
+}
+
+/// Each sequence decoded alone by plain decoding: its tokens and text.
+fn alone(loaded: &LoadedModel, prompt: &[u32], config: &GenerationConfig) -> (Vec<u32>, String) {
+    let out = generate(
+        loaded.model.as_ref(),
+        &loaded.tokenizer,
+        prompt,
+        config,
+        &mut |_| {},
+    )
+    .expect("plain decoding");
+    (out.tokens, out.text)
+}
+
+/// The sequences run as one batch, sequence i joining at step `i * join_every`; returns
+/// each one's tokens and text (checked to be the pieces streamed), in the order given,
+/// and the drafts kept in all.
+fn batched(
+    loaded: &LoadedModel,
+    sequences: Vec<(Vec<u32>, GenerationConfig)>,
+    drafters: &dyn Fn(usize) -> Option<Box<dyn Drafter>>,
+    budget: DraftBudget,
+    join_every: usize,
+) -> (Vec<(Vec<u32>, String)>, usize) {
+    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 5)
+        .with_prefill_positions(40)
+        .with_draft_budget(budget);
+    let total = sequences.len();
+    let mut waiting = sequences.into_iter().enumerate().peekable();
+    let mut ids: HashMap<SequenceId, usize> = HashMap::new();
+    let mut streamed = vec![String::new(); total];
+    let mut finished: Vec<Option<Finished>> = (0..total).map(|_| None).collect();
+    let mut step = 0;
+    while waiting.peek().is_some() || !batch.is_empty() {
+        while let Some((i, _)) = waiting.peek() {
+            if *i * join_every > step && !batch.is_empty() {
+                break;
+            }
+            let Some((i, (prompt, config))) = waiting.next() else {
+                break;
+            };
+            let id = batch
+                .add(NewSequence {
+                    prompt,
+                    config,
+                    drafter: drafters(i),
+                    logprobs: None,
+                    reused: None,
+                })
+                .expect("joins");
+            ids.insert(id, i);
+        }
+        for p in batch.step().expect("a batched step") {
+            let i = ids[&p.id];
+            streamed[i].push_str(&p.text);
+            if let Some(done) = p.finished {
+                finished[i] = Some(*done);
+            }
+        }
+        step += 1;
+        assert!(step < 10_000, "the batch never finished");
+    }
+    let mut kept = 0;
+    let outputs = finished
+        .into_iter()
+        .zip(streamed)
+        .map(|(f, streamed)| {
+            let f = f.expect("every sequence finishes");
+            assert_eq!(f.text, streamed, "the streamed pieces make the text");
+            kept += f.speculative.accepted_tokens;
+            (f.tokens, f.text)
+        })
+        .collect();
+    (outputs, kept)
+}
+
+/// A dense target, the hybrid (whose recurrent states roll back rejected drafts) and a
+/// mixture of experts.
+fn targets() -> Vec<(&'static str, String)> {
+    vec![
+        ("llama", "{}".to_string()),
+        ("qwen3_5", TINY_QWEN3_5_OVERRIDES.to_string()),
+        (
+            "qwen3_moe",
+            with(
+                r#"{"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "mlp_only_layers": [1]}"#,
+                r#"{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": true}"#,
+            ),
+        ),
+    ]
+}
+
+/// No drafter; n-gram lookup for even sequences and, for odd ones, their own greedy
+/// continuation with one token changed (drafts kept and rejected for sure).
+fn drafters(kind: &str, want: &[(Vec<u32>, String)], i: usize) -> Option<Box<dyn Drafter>> {
+    match kind {
+        "none" => None,
+        _ if i.is_multiple_of(2) => Some(Box::new(NgramDrafter::new(3))),
+        _ => {
+            let mut path = want[i].0.clone();
+            if let Some(t) = path.get_mut(4) {
+                *t = (*t + 1) % EOS;
+            }
+            Some(Box::new(FixedDrafter { path, seen: 0 }))
+        }
+    }
+}
+
+#[test]
+fn greedy_batches_give_each_sequence_what_it_gets_alone() {
+    for (name, overrides) in targets() {
+        let (_dir, loaded) = tiny_target(&overrides, 5);
+        let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| (p, config(12 + 5 * i, SamplingParams::default())))
+            .collect();
+        let want: Vec<(Vec<u32>, String)> = sequences
+            .iter()
+            .map(|(p, c)| alone(&loaded, p, c))
+            .collect();
+        for (kind, budget, join_every) in [
+            ("none", DraftBudget::FollowLoad, 0),
+            ("none", DraftBudget::FollowLoad, 3),
+            ("drafts", DraftBudget::Everything, 2),
+            ("drafts", DraftBudget::FollowLoad, 1),
+        ] {
+            let (got, kept) = batched(
+                &loaded,
+                sequences.clone(),
+                &|i| drafters(kind, &want, i),
+                budget,
+                join_every,
+            );
+            if budget == DraftBudget::Everything {
+                assert!(kept > 0, "{name}: no draft was ever kept");
+            }
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g, w,
+                    "{name}, {kind} {budget:?}, joining every {join_every} steps: sequence {i}"
+                );
+            }
+        }
+    }
+}
+
+/// Sampled sequences draw from their own seeds: a batch gives each what it gets alone.
+#[test]
+fn sampled_batches_give_each_sequence_what_its_seed_gives_alone() {
+    let (_dir, loaded) = tiny_target("{}", 9);
+    let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let sampling = SamplingParams {
+                temperature: 0.9,
+                top_p: 0.95,
+                seed: Some(100 + i as u64),
+                ..SamplingParams::default()
+            };
+            (p, config(16, sampling))
+        })
+        .collect();
+    let (got, _) = batched(
+        &loaded,
+        sequences.clone(),
+        &|_| None,
+        DraftBudget::FollowLoad,
+        2,
+    );
+    for (i, ((prompt, config), g)) in sequences.iter().zip(&got).enumerate() {
+        assert_eq!(g, &alone(&loaded, prompt, config), "sequence {i}");
+    }
+}
+
+/// Speculative sampling in batches keeps the target's distribution: the first three
+/// tokens of many sequences (drafts from the target's greedy path, so some are kept and
+/// some rejected) against the exact joint distribution, by chi-square.
+#[test]
+fn sampled_drafts_in_batches_keep_the_target_distribution() {
+    let (_dir, loaded) = tiny_target("{}", 3);
+    let prompt = prompts()[1].clone();
+    let model = loaded.model.as_ref();
+    let expected = exact_joint(model, &prompt, &params(0));
+    let path = greedy_path(model, &prompt, 4);
+    let mut seen: HashMap<[u32; 3], usize> = HashMap::new();
+    let (mut drafted, mut kept) = (0, 0);
+    for chunk in 0..SAMPLES / 50 {
+        let mut batch = BatchDecoder::new(model, &loaded.tokenizer, 2)
+            .with_draft_budget(DraftBudget::Everything);
+        for i in 0..50 {
+            let cfg = GenerationConfig {
+                eos_ids: Vec::new(),
+                ..config(3, params((chunk * 50 + i) as u64 * 7_919 + 1))
+            };
+            batch
+                .add(NewSequence {
+                    prompt: prompt.clone(),
+                    config: cfg,
+                    drafter: Some(Box::new(FixedDrafter {
+                        path: path.clone(),
+                        seen: 0,
+                    })),
+                    logprobs: None,
+                    reused: None,
+                })
+                .expect("joins");
+        }
+        while !batch.is_empty() {
+            for p in batch.step().expect("a step") {
+                if let Some(done) = p.finished {
+                    let t = &done.tokens;
+                    *seen.entry([t[0], t[1], t[2]]).or_insert(0) += 1;
+                    drafted += done.speculative.drafted_tokens;
+                    kept += done.speculative.accepted_tokens;
+                }
+            }
+        }
+    }
+    assert!(
+        kept > 0 && kept < drafted,
+        "{kept} of {drafted} drafts kept"
+    );
+    let (stat, critical) = chi_square(&expected, &seen);
+    assert!(stat < critical, "chi-square {stat:.1} ≥ {critical:.1}");
+}
+
+/// A sequence the model cannot take is refused as it joins; the others go on.
+#[test]
+fn a_bad_sequence_is_refused_alone() {
+    let (_dir, loaded) = tiny_target("{}", 4);
+    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 4);
+    let good = prompts()[1].clone();
+    let want = alone(&loaded, &good, &config(8, SamplingParams::default()));
+    let id = batch
+        .add(NewSequence {
+            prompt: good,
+            config: config(8, SamplingParams::default()),
+            drafter: None,
+            logprobs: None,
+            reused: None,
+        })
+        .expect("joins");
+    batch.step().expect("a step");
+    for bad in [vec![], vec![1, 2, 100_000]] {
+        let err = batch
+            .add(NewSequence {
+                prompt: bad,
+                config: config(8, SamplingParams::default()),
+                drafter: None,
+                logprobs: None,
+                reused: None,
+            })
+            .expect_err("refused");
+        assert!(!err.to_string().is_empty());
+    }
+    assert_eq!(batch.len(), 1);
+    let mut tokens = None;
+    while !batch.is_empty() {
+        for p in batch.step().expect("a step") {
+            if let Some(done) = p.finished {
+                assert_eq!(p.id, id);
+                tokens = Some(done.tokens);
+            }
+        }
+    }
+    assert_eq!(tokens, Some(want.0));
+}
