@@ -10,6 +10,7 @@ pub mod draft_thread;
 pub mod dspark;
 mod match_index;
 pub mod ngram;
+pub mod none;
 pub mod replay;
 
 /// Forces the linker to keep this crate's drafter registrations.

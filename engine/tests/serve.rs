@@ -400,9 +400,14 @@ fn long_request() -> Value {
     json!({"model": "tiny", "prompt": "tell me everything", "max_tokens": 1000, "temperature": 0})
 }
 
+/// One request at a time (`--max-batch 1`): a queue of one behind a busy model.
 #[test]
 fn a_full_queue_answers_429_and_no_answer_is_lost_or_mixed() {
-    let server = Arc::new(Server::start_on(BIGGER, "ngram", &["--queue-size", "1"]));
+    let server = Arc::new(Server::start_on(
+        BIGGER,
+        "ngram",
+        &["--queue-size", "1", "--max-batch", "1"],
+    ));
     let body = |i: usize| json!({"model": "tiny", "prompt": format!("client {i} says"), "max_tokens": 8, "temperature": 0});
     // Each client's own answer, asked alone.
     let alone: Vec<Value> = (0..4)
@@ -1331,4 +1336,144 @@ fn a_stopped_server_finishes_what_it_serves_and_says_so() {
     assert!(status.success(), "{status}");
     server.wait_for_log("shutting down");
     server.wait_for_log("every request finished");
+}
+
+/// Reads a streamed completion on `socket` to its end; returns its text and the number
+/// of tokens it says it generated.
+fn finish_stream(mut socket: TcpStream) -> (String, u64) {
+    socket
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .expect("timeout");
+    let mut raw = String::new();
+    socket.read_to_string(&mut raw).expect("read the stream");
+    let mut text = String::new();
+    let mut tokens = 0;
+    for line in raw.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));
+        if let Some(n) = chunk["usage"]["completion_tokens"].as_u64() {
+            tokens = n;
+        }
+    }
+    (text, tokens)
+}
+
+/// Requests decoded together (`--max-batch 4`, n-gram drafts on) answer each client what
+/// it gets alone (`--max-batch 1`), greedy, whole and streamed, with clients arriving
+/// while others decode.
+#[test]
+fn requests_decoded_together_get_what_they_get_one_at_a_time() {
+    let prompts: Vec<String> = (0..8)
+        .map(|i| match i % 3 {
+            0 => format!("client {i}: the cat sat on the mat, the cat sat on the"),
+            1 => format!("client {i} asks for a story"),
+            _ => format!("{i}, {}, {}, {},", i + 1, i + 2, i + 3),
+        })
+        .collect();
+    let body = |i: usize| {
+        json!({"model": "tiny", "messages": [{"role": "user", "content": prompts[i]}],
+               "max_tokens": 10 + 4 * i, "temperature": 0})
+    };
+    let alone_server = Server::start_on(BIGGER, "ngram", &["--max-batch", "1"]);
+    alone_server.wait_for_log("(batch 1,");
+    let alone: Vec<Value> = (0..8)
+        .map(|i| {
+            let (status, answer) = alone_server.post("/v1/chat/completions", &body(i));
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["message"]["content"].clone()
+        })
+        .collect();
+    drop(alone_server);
+    let server = Arc::new(Server::start_on(
+        BIGGER,
+        "ngram",
+        &["--max-batch", "4", "--queue-size", "8"],
+    ));
+    server.wait_for_log("(batch 4,");
+    let (answers_tx, answers) = channel();
+    for i in 0..8 {
+        let server = server.clone();
+        let answers_tx = answers_tx.clone();
+        let mut request = body(i);
+        std::thread::spawn(move || {
+            // Arrivals spread over the first steps, half of them streamed.
+            std::thread::sleep(Duration::from_millis(15 * i as u64));
+            let text = if i % 2 == 0 {
+                request["stream"] = json!(true);
+                let events = stream(&server, "/v1/chat/completions", &request);
+                let text: String = events
+                    .iter()
+                    .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                    .filter_map(|c| {
+                        c["choices"][0]["delta"]["content"]
+                            .as_str()
+                            .map(String::from)
+                    })
+                    .collect();
+                json!(text)
+            } else {
+                let (status, answer) = server.post("/v1/chat/completions", &request);
+                assert_eq!(status, 200, "{answer}");
+                answer["choices"][0]["message"]["content"].clone()
+            };
+            let _ = answers_tx.send((i, text));
+        });
+    }
+    drop(answers_tx);
+    for _ in 0..8 {
+        let (i, text) = answers
+            .recv_timeout(Duration::from_secs(120))
+            .expect("every client is answered");
+        assert_eq!(text, alone[i], "client {i}: its text alone");
+    }
+}
+
+/// `--max-batch 2 --queue-size 1`: two long generations run at once, a third waits in
+/// the queue, a fourth is refused with 429. When one of the two running leaves, the
+/// waiting one starts, and the other runs on to the same end it reaches alone.
+#[test]
+fn a_full_batch_queues_then_refuses_and_a_client_leaving_spares_the_others() {
+    let server = Server::start_on(BIGGER, "ngram", &["--max-batch", "2", "--queue-size", "1"]);
+    server.wait_for_log("(batch 2,");
+    let mut long = long_request();
+    let (status, alone) = server.post("/v1/completions", &long);
+    assert_eq!(status, 200, "{alone}");
+    long["stream"] = json!(true);
+    let first = open_stream(&server, &long);
+    // Streaming text while the first is: both in one batch.
+    let second = open_stream(&server, &long);
+    let mut third = TcpStream::connect(&server.addr).expect("connect");
+    let payload = long.to_string();
+    write!(
+        third,
+        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        server.addr,
+        payload.len()
+    )
+    .expect("send");
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, refused) = server.post("/v1/completions", &long_request());
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(refused["error"]["type"], "rate_limit_error", "{refused}");
+    drop(first);
+    server.wait_for_log("client went away");
+    let (third_text, third_tokens) = finish_stream(third);
+    let (second_text, second_tokens) = finish_stream(second);
+    let alone = alone["choices"][0]["text"].as_str().expect("text");
+    assert_eq!(
+        (third_text.as_str(), third_tokens),
+        (alone, 1000),
+        "the one that waited"
+    );
+    // Its first pieces were read to see it start.
+    assert_eq!(second_tokens, 1000, "the one running on");
+    assert!(
+        !second_text.is_empty() && alone.ends_with(&second_text),
+        "the one running on: {second_text:?}"
+    );
 }

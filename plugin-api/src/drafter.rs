@@ -195,6 +195,12 @@ pub trait Drafter: Send {
         false
     }
 
+    /// Whether the drafter ever proposes drafts: `none` does not, and a generation with
+    /// it decodes plainly throughout (no rounds, nothing kept to roll back).
+    fn drafts(&self) -> bool {
+        true
+    }
+
     /// A new drafter of the same kind and settings, for another sequence decoded at the
     /// same time (a server's batch gives each sequence its own), or `None` where one is
     /// not cheap to make (a drafter that holds a model).

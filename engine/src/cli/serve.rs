@@ -55,7 +55,15 @@ pub struct ServeArgs {
     /// Port to listen on, 0 to 65535; 0 picks a free one (the address is printed on stderr).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Requests that may wait while one is generated (1 to 4096); more are answered 429.
+    /// Requests decoded together, 1 to 256 (default: 32 on a GPU, 8 on the CPU): each step
+    /// is one forward over all of them, and requests join and leave between steps. Each
+    /// request drafts for itself; how many drafts a step verifies follows the load. With
+    /// a drafter that runs a model (DFlash, DSpark, `model:DIR`), a plugin's model family
+    /// or a distributed group, requests are served one at a time.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
+    max_batch: Option<u32>,
+    /// Requests that may wait while --max-batch are generated (1 to 4096); more are
+    /// answered 429.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     queue_size: u32,
     /// Tokens generated for a request that gives no `max_tokens`, 1 to 2^32 − 1 (fewer
@@ -171,6 +179,15 @@ fn ignore_interrupts() {
     }
 }
 
+/// `--max-batch` when not given: a GPU's step barely grows with a few dozen sequences,
+/// a CPU's products turn compute-bound after a few.
+fn default_max_batch(backend: Backend) -> usize {
+    match backend {
+        Backend::Cpu => 8,
+        _ => 32,
+    }
+}
+
 /// The target (this rank's share of it in a group) and the drafter, every setting the
 /// ranks must share checked once all have loaded.
 fn load_engine(
@@ -212,6 +229,9 @@ fn load_engine(
             usize::try_from(args.prompt_cache_bytes).unwrap_or(usize::MAX),
         ),
         group,
+        max_batch: args
+            .max_batch
+            .map_or(default_max_batch(backend), |n| n as usize),
     };
     if let Some(g) = engine.group.as_deref() {
         // Loaded before the ranks meet: loading takes each rank its own time.

@@ -21,6 +21,7 @@
 //! with its own cache, drafter state and sampler), sending each job's events on its own
 //! channel as now; the queue, the events and the HTTP side stay as they are.
 
+mod batching;
 pub mod error;
 pub mod group;
 pub mod request;
@@ -109,8 +110,8 @@ fn serve_http(
             .map_err(|e| EngineError::Invalid(format!("reading the listening address: {e}")))?;
         // Tests and scripts read this line for the address (with --port 0, the port).
         eprintln!(
-            "[dspec] serving {} with drafter {} on http://{addr} (queue {})",
-            config.model_id, facts.drafter, config.queue_size
+            "[dspec] serving {} with drafter {} on http://{addr} (batch {}, queue {})",
+            config.model_id, facts.drafter, facts.batch, config.queue_size
         );
         accept(listener, router(state), &config).await;
         Ok(())

@@ -26,6 +26,7 @@ use crate::serve::error::ApiError;
 use crate::serve::group::{self, SharedJob};
 use crate::serve::request::{JobRequest, Prompt};
 use crate::text::chat_template::{ChatMessage, ChatTemplate};
+use crate::text::tokenizer::TextTokenizer;
 use crate::text::tool_calls::{ToolCall, ToolCallStream};
 
 /// A loaded target and its drafter, as the loader hands them to the worker.
@@ -44,9 +45,21 @@ pub struct Engine {
     /// The group the target is split over, if it is: rank 0 sends it every job it
     /// generates (see [`group`]).
     pub group: Option<Arc<Distributed>>,
+    /// Requests decoded together at most (`--max-batch`); see [`Engine::batches`].
+    pub max_batch: usize,
 }
 
 impl Engine {
+    /// Whether requests are decoded together ([`crate::serve::batching`]): more than one
+    /// at a time asked for, a target whose forward takes several sequences at once, a
+    /// drafter each request can have its own copy of, and no group to keep in step.
+    pub fn batches(&self) -> bool {
+        self.max_batch > 1
+            && self.group.is_none()
+            && self.loaded.model.batches_rows()
+            && self.drafter.fork().is_some()
+    }
+
     /// The parts a generation borrows: the model, the drafting settings, the prompt cache.
     /// One place builds them, so that every rank of a group speculates alike.
     pub fn parts(&mut self) -> (&LoadedModel, Speculation<'_>, &mut PromptCache) {
@@ -69,6 +82,8 @@ pub type Loader = Box<dyn FnOnce() -> Result<Engine, EngineError> + Send>;
 pub struct ModelFacts {
     pub max_context: Option<usize>,
     pub drafter: String,
+    /// Requests decoded together at most (1: one at a time).
+    pub batch: usize,
 }
 
 /// A request on the queue: what to generate, where its events go, and the flag its
@@ -170,6 +185,11 @@ fn run(
     let facts = ModelFacts {
         max_context: engine.loaded.model.info().max_context,
         drafter: engine.drafter.name().to_string(),
+        batch: if engine.batches() {
+            engine.max_batch
+        } else {
+            1
+        },
     };
     if ready.send(Ok(facts)).is_err() {
         return Ok(());
@@ -183,6 +203,10 @@ fn run(
         .map_err(|e| e.to_string()),
         None => Err("the model has no chat template; use /v1/completions with raw text".into()),
     };
+    if engine.batches() {
+        crate::serve::batching::serve_together(&mut engine, &template, &jobs);
+        return Ok(());
+    }
     while let Some(job) = next_job(&engine, &jobs) {
         // A client that left while queued costs nothing.
         if job.cancel.load(Ordering::Relaxed) {
@@ -228,12 +252,12 @@ fn stop_followers(group: &Distributed) -> Result<(), EngineError> {
 
 /// The prompt as token ids, or the request's fault.
 fn encode(
-    engine: &Engine,
+    loaded: &LoadedModel,
     template: &Result<ChatTemplate, String>,
     prompt: &Prompt,
     tools: &[serde_json::Value],
 ) -> Result<Vec<u32>, ApiError> {
-    let tokenizer = &engine.loaded.tokenizer;
+    let tokenizer = &loaded.tokenizer;
     let ids = match prompt {
         Prompt::Text(text) => tokenizer
             .encode_prompt(text, false)
@@ -241,7 +265,7 @@ fn encode(
         Prompt::Tokens(ids) => {
             // The target's embedding table may be wider than the tokenizer's vocabulary
             // (padded), but an id past the table would read outside it.
-            let vocab = engine.loaded.model.info().vocab_size;
+            let vocab = loaded.model.info().vocab_size;
             if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
                 return Err(ApiError::invalid(
                     format!("prompt[{i}]"),
@@ -294,8 +318,13 @@ fn render_chat(
 
 /// How many tokens a job may generate: what it asked for, else the server's default
 /// cut to the context left.
-fn max_tokens(engine: &Engine, request: &JobRequest, prompt: usize) -> Result<usize, ApiError> {
-    let limit = engine.loaded.model.info().max_context.unwrap_or(usize::MAX);
+fn max_tokens(
+    loaded: &LoadedModel,
+    default_max_tokens: usize,
+    request: &JobRequest,
+    prompt: usize,
+) -> Result<usize, ApiError> {
+    let limit = loaded.model.info().max_context.unwrap_or(usize::MAX);
     if prompt >= limit {
         return Err(ApiError::invalid(
             request.prompt.param(),
@@ -313,8 +342,114 @@ fn max_tokens(engine: &Engine, request: &JobRequest, prompt: usize) -> Result<us
         )
         .with_code("context_length_exceeded")),
         Some(m) => Ok(m),
-        None => Ok(engine.default_max_tokens.min(left)),
+        None => Ok(default_max_tokens.min(left)),
     }
+}
+
+/// The job's prompt as token ids and how many tokens it may generate, or the request's
+/// fault.
+pub(super) fn prepare(
+    loaded: &LoadedModel,
+    default_max_tokens: usize,
+    template: &Result<ChatTemplate, String>,
+    request: &JobRequest,
+) -> Result<(Vec<u32>, usize), ApiError> {
+    let ids = encode(loaded, template, &request.prompt, &request.tools)?;
+    let max = max_tokens(loaded, default_max_tokens, request, ids.len())?;
+    Ok((ids, max))
+}
+
+/// The job's generation settings.
+pub(super) fn generation_config(
+    tokenizer: &TextTokenizer,
+    request: &JobRequest,
+    max_tokens: usize,
+) -> GenerationConfig {
+    GenerationConfig {
+        max_tokens,
+        sampling: request.sampling.clone(),
+        stop_strings: request.stop.clone(),
+        eos_ids: tokenizer.eos_token_ids().to_vec(),
+    }
+}
+
+/// What the job's output goes through when it offered tools and the template's call
+/// format is known. Parsing runs on the model's side, where the text is; the HTTP side
+/// only shapes the calls as JSON.
+pub(super) fn call_parser(
+    template: &Result<ChatTemplate, String>,
+    request: &JobRequest,
+) -> Option<ToolCallStream> {
+    template
+        .as_ref()
+        .ok()
+        .and_then(ChatTemplate::tool_call_format)
+        .filter(|_| request.parse_tool_calls)
+        .map(ToolCallStream::new)
+}
+
+/// Sends a piece of text on, through the job's tool-call parser; false once the client
+/// is gone.
+pub(super) fn send_text(
+    events: &UnboundedSender<Event>,
+    parser: Option<&mut ToolCallStream>,
+    piece: &str,
+) -> bool {
+    let piece = match parser {
+        Some(parser) => parser.push(piece),
+        None => piece.to_string(),
+    };
+    piece.is_empty() || events.send(Event::Text(piece)).is_ok()
+}
+
+/// Log-probabilities as a client reads them: each token with its text.
+pub(super) fn choices(tokenizer: &TextTokenizer, entries: &[TokenLogprob]) -> Vec<TokenChoice> {
+    let candidate = |id: u32, logprob: f32| Candidate {
+        text: tokenizer.decode(&[id], false).unwrap_or_default(),
+        logprob,
+    };
+    entries
+        .iter()
+        .map(|e| TokenChoice {
+            token: candidate(e.token, e.logprob),
+            top: e.top.iter().map(|&(id, lp)| candidate(id, lp)).collect(),
+        })
+        .collect()
+}
+
+/// A finished generation's last events: the text the parser held back (content after
+/// all: a marker's start that began no call, text after the calls), then `Done`.
+pub(super) struct Outcome {
+    pub text: String,
+    pub stats: GenerationStats,
+    pub speculative: SpeculativeStats,
+    pub prompt_cache: PromptCacheUsage,
+    pub logprobs: Option<Vec<TokenChoice>>,
+}
+
+pub(super) fn send_done(
+    events: &UnboundedSender<Event>,
+    parser: Option<ToolCallStream>,
+    outcome: Outcome,
+) {
+    let (text, tool_calls) = match parser {
+        Some(parser) => {
+            let (rest, parsed) = parser.finish(&outcome.text);
+            if !rest.is_empty() {
+                let _ = events.send(Event::Text(rest));
+            }
+            (parsed.content, parsed.calls)
+        }
+        None => (outcome.text, Vec::new()),
+    };
+    let _ = events.send(Event::Done(Box::new(Finished {
+        text,
+        tool_calls,
+        stats: outcome.stats,
+        speculative: outcome.speculative,
+        prompt_cache: outcome.prompt_cache,
+        logprobs: outcome.logprobs,
+    })));
 }
 
 fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job) {
@@ -323,10 +458,12 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
         events,
         cancel,
     } = job;
-    let prepared = encode(engine, template, &request.prompt, &request.tools).and_then(|ids| {
-        let max = max_tokens(engine, &request, ids.len())?;
-        Ok((ids, max))
-    });
+    let prepared = prepare(
+        &engine.loaded,
+        engine.default_max_tokens,
+        template,
+        &request,
+    );
     let (prompt, max_tokens) = match prepared {
         Ok(p) => p,
         Err(e) => {
@@ -337,52 +474,24 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
     if events.send(Event::Started).is_err() {
         return;
     }
-    let mut config = GenerationConfig {
-        max_tokens,
-        sampling: request.sampling,
-        stop_strings: request.stop,
-        eos_ids: engine.loaded.tokenizer.eos_token_ids().to_vec(),
-    };
+    let mut config = generation_config(&engine.loaded.tokenizer, &request, max_tokens);
     let group = engine.group.clone();
     // Watched from the job's first exchange with the other ranks to its last.
     let _watch = group.as_deref().map(Distributed::watch);
     if let Some(group) = group.as_deref() {
         share_job(engine, group, &prompt, &mut config);
     }
-    // Parsing runs here, where the text is; the HTTP side only shapes the calls as JSON.
-    let mut call_parser = template
-        .as_ref()
-        .ok()
-        .and_then(ChatTemplate::tool_call_format)
-        .filter(|_| request.parse_tool_calls)
-        .map(ToolCallStream::new);
+    let mut call_parser = call_parser(template, &request);
     let mut on_text = |piece: &str| {
-        let piece = match call_parser.as_mut() {
-            Some(parser) => parser.push(piece),
-            None => piece.to_string(),
-        };
         // The receiver is gone once the client is: stop generating for nobody.
-        if !piece.is_empty() && events.send(Event::Text(piece)).is_err() {
+        if !send_text(&events, call_parser.as_mut(), piece) {
             cancel.store(true, Ordering::Relaxed);
         }
     };
     let (loaded, speculation, prompt_cache) = engine.parts();
     let tokenizer = &loaded.tokenizer;
-    let choices = |entries: &[TokenLogprob]| -> Vec<TokenChoice> {
-        let candidate = |id: u32, logprob: f32| Candidate {
-            text: tokenizer.decode(&[id], false).unwrap_or_default(),
-            logprob,
-        };
-        entries
-            .iter()
-            .map(|e| TokenChoice {
-                token: candidate(e.token, e.logprob),
-                top: e.top.iter().map(|&(id, lp)| candidate(id, lp)).collect(),
-            })
-            .collect()
-    };
     let mut on_logprobs = |entries: &[TokenLogprob]| {
-        let _ = events.send(Event::Logprobs(choices(entries)));
+        let _ = events.send(Event::Logprobs(choices(tokenizer, entries)));
     };
     // In a group, the followers learn of a client that left in the same round.
     let cancelled = || match group.as_deref() {
@@ -403,36 +512,21 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             on_logprobs: Some(&mut on_logprobs),
         },
     );
-    let event = match outcome {
+    match outcome {
         Ok(out) if out.stats.stop_reason == StopReason::Cancelled => {
-            eprintln!(
-                "[dspec] generation cancelled after {} of {max_tokens} tokens: the client went away",
-                out.stats.generated_tokens
-            );
-            return;
+            log_cancelled(out.stats.generated_tokens, max_tokens);
         }
-        Ok(out) => {
-            let (text, tool_calls) = match call_parser {
-                Some(parser) => {
-                    // Held back text that is content after all (a marker's start that began
-                    // no call, text after the calls) goes out before the end.
-                    let (rest, parsed) = parser.finish(&out.text);
-                    if !rest.is_empty() {
-                        let _ = events.send(Event::Text(rest));
-                    }
-                    (parsed.content, parsed.calls)
-                }
-                None => (out.text, Vec::new()),
-            };
-            Event::Done(Box::new(Finished {
-                text,
-                tool_calls,
+        Ok(out) => send_done(
+            &events,
+            call_parser,
+            Outcome {
+                text: out.text,
                 stats: out.stats,
                 speculative: out.speculative,
                 prompt_cache: prompt_cache.usage(),
-                logprobs: out.logprobs.as_deref().map(choices),
-            }))
-        }
+                logprobs: out.logprobs.as_deref().map(|l| choices(tokenizer, l)),
+            },
+        ),
         Err(e) => {
             let _ = events.send(Event::Failed(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -442,10 +536,15 @@ fn serve(engine: &mut Engine, template: &Result<ChatTemplate, String>, job: Job)
             if let Some(group) = group.as_deref() {
                 group::abandon(group, &e);
             }
-            return;
         }
-    };
-    let _ = events.send(event);
+    }
+}
+
+/// The server's log line for a generation whose client went away.
+pub(super) fn log_cancelled(generated: usize, max_tokens: usize) {
+    eprintln!(
+        "[dspec] generation cancelled after {generated} of {max_tokens} tokens: the client went away"
+    );
 }
 
 /// In a group, before generating: every rank is to draw with one seed, the request's or

@@ -44,6 +44,8 @@ pub enum DraftBudget {
 /// What one step did for one sequence.
 pub struct Progress {
     pub id: SequenceId,
+    /// Tokens committed this step.
+    pub tokens: usize,
     /// Text committed this step (often empty: held back, or part of a character).
     pub text: String,
     /// The committed tokens' log-probabilities, when the sequence asked for them.
@@ -227,10 +229,12 @@ impl<'m> BatchDecoder<'m> {
                 }
             };
             s.cache.trim(drafts.len() - accepted)?;
+            let before = s.generated();
             let (text, entries, stop) =
                 s.end_round(self.tokenizer, &drafts, accepted, token, Some(&logits))?;
             progress.push(Progress {
                 id: s.id,
+                tokens: s.generated() - before,
                 text,
                 logprobs: entries,
                 finished: None,
@@ -280,7 +284,8 @@ impl<'m> BatchDecoder<'m> {
                 true => s.draft_cap(self.max_draft),
                 false => 0,
             };
-            if let (Some(drafter), true) = (s.drafter.as_mut(), cap > 0) {
+            let drafter = s.drafter.as_mut().filter(|d| d.drafts());
+            if let (Some(drafter), true) = (drafter, cap > 0) {
                 let mut picker = EnginePicker {
                     sampler: s.sampler.as_mut(),
                 };

@@ -135,7 +135,8 @@ impl Sequence {
         }
         cache.reserve_for_generation((prompt.len() + config.max_tokens).min(limit));
         // Rounds forget rejected drafts: recurrent layers keep that many past states.
-        cache.set_rollback_window(if drafter.is_some() { max_draft } else { 0 });
+        let drafts = drafter.as_ref().is_some_and(|d| d.drafts());
+        cache.set_rollback_window(if drafts { max_draft } else { 0 });
         if let Some(d) = drafter.as_mut() {
             d.begin(model, &prompt, None)?;
         }
@@ -160,6 +161,11 @@ impl Sequence {
             rejected: 0.0,
             tally: Tally::default(),
         })
+    }
+
+    /// Tokens committed so far.
+    pub(super) fn generated(&self) -> usize {
+        self.tokens.len()
     }
 
     /// Whether a token has been committed (the first comes from the prompt's last).

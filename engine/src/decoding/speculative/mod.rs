@@ -149,9 +149,11 @@ pub fn generate_speculative(
     // A round forgets the drafts the target rejects: a cache with recurrent state keeps
     // the states to return to for that many positions, and a cache that keeps a fixed
     // window (a plugin's) bounds the drafts a round may make.
+    // A drafter that never drafts (`none`) leaves every round a plain step.
+    let max_draft = if drafter.drafts() { max_draft } else { 0 };
     cache.set_rollback_window(max_draft);
     let max_draft = match cache.rollback_window() {
-        Some(0) => {
+        Some(0) if max_draft > 0 => {
             return Err(EngineError::Invalid(
                 "the target's cache cannot roll back a single position, which speculative \
                  decoding needs; decode without a drafter"
@@ -269,7 +271,7 @@ pub fn generate_speculative(
 /// prompt and the generated tokens fed so far (the newest one is not, unless a plain
 /// step already queued it). A generation that stopped inside an accepted block (an EOS
 /// or the token limit among the drafts) fed drafts past its last token: they go.
-fn store_sequence(
+pub(crate) fn store_sequence(
     store: &mut PromptCache,
     prompt: &[u32],
     generated: &[u32],
