@@ -630,9 +630,11 @@ impl Attention {
     }
 
     /// Several sequences at once: `x` is `[1, T, hidden]`, the rows' positions one after
-    /// another (`lens` of them each, after what each row's cache in `caches` holds). The
-    /// projections take all `T` positions in one product each; every row attends over its
-    /// own cache, causally, as [`Attention::forward`] attends a sequence alone.
+    /// another (`lens` of them each, after what each row's cache in `caches` holds). What
+    /// is the same for every position runs once over all `T`: the projections, the q/k
+    /// norms and the rotation (each position at its own place, as a batch row of its
+    /// own). Every row then attends over its own cache, causally, as
+    /// [`Attention::forward`] attends a sequence alone.
     pub fn forward_packed(
         &self,
         x: &Array,
@@ -640,37 +642,67 @@ impl Attention {
         lens: &[i32],
     ) -> Result<Array> {
         let s = &self.spec;
+        let total: i32 = lens.iter().sum();
         let (raw_q, raw_k, raw_v) = self.project(x)?;
+        let (raw_q, gate) = self.split_gate(raw_q)?;
+        // `[T, heads, 1, D]`: every position a batch row.
+        let per_position = |y: &Array, heads: i32| y.reshape(&[total, heads, 1, s.head_dim]);
+        let mut q = per_position(&raw_q, s.heads)?;
+        let raw_k = per_position(&raw_k, s.kv_heads)?;
+        let mut v = match &raw_v {
+            Some(v) => per_position(v, s.kv_heads)?,
+            None => raw_k.clone(),
+        };
+        if let Some(eps) = s.v_norm {
+            v = rms_norm_unscaled(&v, eps)?;
+        }
+        if let Some(qn) = &self.q_norm {
+            q = qn.forward(&q)?;
+        }
+        let k = match &self.k_norm {
+            Some(kn) => kn.forward(&raw_k)?,
+            None => raw_k,
+        };
+        let mut positions = Vec::with_capacity(total as usize);
+        for (cache, &len) in caches.iter().zip(lens) {
+            let offset = cache.offset() as i32;
+            positions.extend(offset..offset + len);
+        }
+        let positions = Array::from_slice(&positions, &[total]);
+        let (q, k) = (
+            s.rope.forward_at(&q, &positions)?,
+            s.rope.forward_at(&k, &positions)?,
+        );
+        // A row's positions back as one sequence: `[1, heads, L, D]`.
+        let row = |a: &Array, start: i32, len: i32| -> Result<Array> {
+            let rows = slice_axis(a, 0, start, start + len)?;
+            Ok(match len {
+                1 => rows,
+                _ => rows.transpose_axes(&[2, 1, 0, 3])?,
+            })
+        };
         let mut outs = Vec::with_capacity(lens.len());
         let mut start = 0;
         for (cache, &len) in caches.iter_mut().zip(lens) {
-            let piece = |a: &Array| slice_axis(a, 1, start, start + len);
             let offset = cache.offset() as i32;
-            let (q, gate) = self.split_gate(piece(&raw_q)?)?;
-            let mut q = self.split_heads(q, s.heads)?;
-            if let Some(qn) = &self.q_norm {
-                q = qn.forward(&q)?;
-            }
-            let q = s.rope.forward(&q, offset)?;
-            let raw_v = raw_v.as_ref().map(piece).transpose()?;
-            let (k, v) = self.keys_values(piece(&raw_k)?, raw_v, offset)?;
-            let (keys, values) = cache.update_and_fetch(&k, &v)?;
+            let q = row(&q, start, len)?;
+            let (keys, values) =
+                cache.update_and_fetch(&row(&k, start, len)?, &row(&v, start, len)?)?;
             let mask = attention_mask(offset, len, s.sliding_window)?;
             let out = if attends_position_by_position(offset, len, &mask) {
                 self.attend_each_position(&q, &keys, &values, offset)?
             } else {
                 self.attend(&q, &keys, &values, &mask)?
             };
-            let out = match len {
-                1 => out.reshape(&[1, 1, s.heads * s.head_dim])?,
-                _ => out
-                    .transpose_axes(&[0, 2, 1, 3])?
-                    .reshape(&[1, len, s.heads * s.head_dim])?,
-            };
-            outs.push(gated(out, gate)?);
+            outs.push(match len {
+                1 => out,
+                _ => out.transpose_axes(&[2, 1, 0, 3])?,
+            });
             start += len;
         }
-        self.o.forward(&concatenate(&outs, 1)?)
+        // `[T, heads, 1, D]` lies in memory as `[1, T, heads·D]`.
+        let out = concatenate(&outs, 0)?.reshape(&[1, total, s.heads * s.head_dim])?;
+        self.o.forward(&gated(out, gate)?)
     }
 
     /// Whether dspec's CUDA attention kernel takes this forward of `q` over

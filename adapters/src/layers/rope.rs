@@ -141,11 +141,7 @@ impl Rope {
 
     /// Rotates `x` (`[B, H, L, D]`) for positions `offset..offset+L`.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
-        let x = if self.mscale != 1.0 {
-            x.multiply(Array::from_f32(self.mscale).as_dtype(x.dtype())?)?
-        } else {
-            x.clone()
-        };
+        let x = self.temperature(x)?;
         Ok(fast::rope(
             &x,
             self.dims,
@@ -155,5 +151,28 @@ impl Rope {
             offset,
             self.freqs.as_ref(),
         )?)
+    }
+
+    /// Rotates `x` (`[B, H, 1, D]`) with batch row b at position `positions[b]`: several
+    /// sequences' positions rotated in one call, each at its own place.
+    pub fn forward_at(&self, x: &Array, positions: &Array) -> Result<Array> {
+        let x = self.temperature(x)?;
+        Ok(fast::rope_dynamic(
+            &x,
+            self.dims,
+            false,
+            self.base,
+            self.scale,
+            positions,
+            self.freqs.as_ref(),
+        )?)
+    }
+
+    /// `x` times yarn's attention temperature, where it has one.
+    fn temperature(&self, x: &Array) -> Result<Array> {
+        Ok(match self.mscale != 1.0 {
+            true => x.multiply(Array::from_f32(self.mscale).as_dtype(x.dtype())?)?,
+            false => x.clone(),
+        })
     }
 }

@@ -70,8 +70,9 @@ pub struct BatchDecoder<'m> {
 enum Row {
     /// A chunk of its prompt, for the cache only.
     Prompt(usize),
-    /// Its newest token, then its drafts.
-    Decode(Vec<u32>),
+    /// Its newest token, then its drafts; and the first draft offered when none was
+    /// granted, to be checked against the step's token.
+    Decode(Vec<u32>, Option<u32>),
 }
 
 impl<'m> BatchDecoder<'m> {
@@ -143,7 +144,7 @@ impl<'m> BatchDecoder<'m> {
                         let ids = &s.prompt[s.read..s.read + n];
                         Array::from_slice(ids, &[1, *n as i32])
                     }
-                    Row::Decode(drafts) => {
+                    Row::Decode(drafts, _) => {
                         let ids: Vec<u32> = [s.last].iter().chain(drafts).copied().collect();
                         Array::from_slice(&ids, &[1, ids.len() as i32])
                     }
@@ -165,7 +166,7 @@ impl<'m> BatchDecoder<'m> {
                     tokens,
                     logits: match row {
                         Row::Prompt(_) => 0,
-                        Row::Decode(drafts) => drafts.len() + 1,
+                        Row::Decode(drafts, _) => drafts.len() + 1,
                     },
                     cache: &mut s.cache,
                 })
@@ -205,13 +206,13 @@ impl<'m> BatchDecoder<'m> {
         let mut ended = Vec::new();
         for (i, ((row, logits), greedy)) in rows.into_iter().zip(logits).zip(greedy).enumerate() {
             let s = &mut self.sequences[i];
-            let drafts = match row {
+            let (drafts, guess) = match row {
                 None => continue,
                 Some(Row::Prompt(n)) => {
                     s.read += n;
                     continue;
                 }
-                Some(Row::Decode(drafts)) => drafts,
+                Some(Row::Decode(drafts, guess)) => (drafts, guess),
             };
             let logits = logits.ok_or_else(|| {
                 EngineError::Mlx("a decoding row of a batched step got no logits".into())
@@ -229,6 +230,9 @@ impl<'m> BatchDecoder<'m> {
                 }
             };
             s.cache.trim(drafts.len() - accepted)?;
+            if let Some(guess) = guess {
+                s.observe_guess(guess, token);
+            }
             let before = s.generated();
             let (text, entries, stop) =
                 s.end_round(self.tokenizer, &drafts, accepted, token, Some(&logits))?;
@@ -296,7 +300,7 @@ impl<'m> BatchDecoder<'m> {
                     offered.push((i, tokens, s.alpha()));
                 }
             }
-            rows.push(Some(Row::Decode(Vec::new())));
+            rows.push(Some(Row::Decode(Vec::new(), None)));
         }
         let offers: Vec<Offer> = offered
             .iter()
@@ -310,13 +314,14 @@ impl<'m> BatchDecoder<'m> {
             // Before any step is timed, a plain step is timed first.
             (DraftBudget::FollowLoad, None) => vec![0; offers.len()],
             (DraftBudget::FollowLoad, Some(costs)) => {
-                let decoding = rows.iter().filter(|r| matches!(r, Some(Row::Decode(_))));
+                let decoding = rows.iter().filter(|r| matches!(r, Some(Row::Decode(..))));
                 allocate(&offers, positions, decoding.count() as f64, costs)
             }
         };
         for ((i, mut tokens, _), k) in offered.into_iter().zip(granted) {
+            let guess = (k == 0).then(|| tokens.first().copied()).flatten();
             tokens.truncate(k);
-            rows[i] = Some(Row::Decode(tokens));
+            rows[i] = Some(Row::Decode(tokens, guess));
         }
         Ok(rows)
     }

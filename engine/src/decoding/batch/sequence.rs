@@ -195,6 +195,19 @@ impl Sequence {
         (self.kept + 1.0) / (self.kept + self.rejected + 2.0)
     }
 
+    /// A draft the drafter offered but the step did not verify (it would not have paid
+    /// at the load of the time) is still checked against the token the step chose: how
+    /// often drafts would be kept stays measured while none are granted, so that they
+    /// are granted again once they would pay.
+    pub(super) fn observe_guess(&mut self, guess: u32, token: u32) {
+        self.kept *= DECAY;
+        self.rejected *= DECAY;
+        match guess == token {
+            true => self.kept += 1.0,
+            false => self.rejected += 1.0,
+        }
+    }
+
     /// Ends a round that fed `[last, drafts…]`: the target kept `accepted` drafts and
     /// added `token` (`logits`: the round's rows, for log-probabilities). The drafter
     /// hears of the positions kept; tokens are committed one by one, stopping exactly
