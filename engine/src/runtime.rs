@@ -88,3 +88,16 @@ mod tests {
         assert_eq!(mlx_version(), "0.32.2");
     }
 }
+
+/// MLX settings for a process that runs for long (a server, a benchmark), unless the user
+/// set them; called before MLX starts. MLX's CUDA backend keeps its CUDA graphs (one per
+/// sequence of kernels) in a cache of bounded size and, by default, fails the running
+/// computation once that cache has missed twice its size over the process's life
+/// (`lru_cache.h`): a server meets new kernel sequences as contexts grow and batches change
+/// their make-up, so it would fail requests after a while (a full batch of 32 did within
+/// a minute). The cache keeps working without that check.
+pub fn settings_for_a_long_lived_process() {
+    if std::env::var_os("MLX_ENABLE_CACHE_THRASHING_CHECK").is_none() {
+        std::env::set_var("MLX_ENABLE_CACHE_THRASHING_CHECK", "0");
+    }
+}

@@ -66,6 +66,7 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs, plugins: &PluginArgs) -> Result<()> {
+    dspec_engine::runtime::settings_for_a_long_lived_process();
     run_joined(args.distributed.join()?, |group| {
         run_on(args, plugins, group)
     })

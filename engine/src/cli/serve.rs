@@ -86,6 +86,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs, plugins: &PluginArgs) -> Result<()> {
+    dspec_engine::runtime::settings_for_a_long_lived_process();
     // First: joining starts MLX's backend, which must happen before any thread uses MLX.
     match args.distributed.join()? {
         None => serve_http(args, plugins, None),
