@@ -79,16 +79,6 @@ pub fn loaded_libmlx_dir() -> Option<std::path::PathBuf> {
         .and_then(|p| std::path::Path::new(p).parent().map(|d| d.to_path_buf()))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reports_the_pinned_mlx_version() {
-        assert_eq!(mlx_version(), "0.32.2");
-    }
-}
-
 /// MLX settings for a process that runs for long (a server, a benchmark), unless the user
 /// set them; called before MLX starts. MLX's CUDA backend keeps its CUDA graphs (one per
 /// sequence of kernels) in a cache of bounded size and, by default, fails the running
@@ -99,5 +89,15 @@ mod tests {
 pub fn settings_for_a_long_lived_process() {
     if std::env::var_os("MLX_ENABLE_CACHE_THRASHING_CHECK").is_none() {
         std::env::set_var("MLX_ENABLE_CACHE_THRASHING_CHECK", "0");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_the_pinned_mlx_version() {
+        assert_eq!(mlx_version(), "0.32.2");
     }
 }

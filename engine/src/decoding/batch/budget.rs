@@ -18,16 +18,52 @@ use crate::decoding::draft_length::LineFit;
 /// the fit then learns what positions really cost.
 const UNTIMED_POSITION_SHARE: f64 = 1.0 / 32.0;
 
+/// Forgetting per step of the measured throughputs: about the last 30 steps count.
+const THROUGHPUT_DECAY: f64 = 0.97;
+/// While steps with drafts commit fewer tokens per second than plain ones, one step in
+/// this many is still granted drafts, so that the comparison follows the load.
+const PROBE_EVERY: usize = 16;
+
 /// The step costs measured so far.
 #[derive(Debug, Default)]
 pub(super) struct StepCosts {
     fit: LineFit,
+    /// Decayed tokens committed and seconds taken, by steps that verified drafts and by
+    /// steps that did not.
+    drafted: (f64, f64),
+    plain: (f64, f64),
+    steps: usize,
 }
 
 impl StepCosts {
-    /// A step of `positions` took `seconds`.
-    pub(super) fn observe(&mut self, positions: usize, seconds: f64) {
+    /// A step of `positions` took `seconds` and committed `tokens`; `drafted`: it
+    /// verified drafts.
+    pub(super) fn observe(&mut self, positions: usize, seconds: f64, tokens: usize, drafted: bool) {
         self.fit.observe(positions as f64, seconds);
+        self.steps += 1;
+        for (t, s) in [&mut self.drafted, &mut self.plain] {
+            *t *= THROUGHPUT_DECAY;
+            *s *= THROUGHPUT_DECAY;
+        }
+        let side = match drafted {
+            true => &mut self.drafted,
+            false => &mut self.plain,
+        };
+        side.0 += tokens as f64;
+        side.1 += seconds;
+    }
+
+    /// Whether this step may verify drafts: not while steps that did committed fewer
+    /// tokens per second than plain steps (the positional model misses what a device
+    /// pays for a verify's shapes); every [`PROBE_EVERY`]th step does the other, so that
+    /// both rates stay measured.
+    pub(super) fn drafting_allowed(&self) -> bool {
+        let rate = |(tokens, seconds): (f64, f64)| (seconds > 0.0).then(|| tokens / seconds);
+        let preferred = match (rate(self.drafted), rate(self.plain)) {
+            (Some(drafted), Some(plain)) => drafted >= plain,
+            _ => true,
+        };
+        preferred != self.steps.is_multiple_of(PROBE_EVERY)
     }
 
     /// `(fixed, per_position)` seconds; `None` before any step.
@@ -141,15 +177,43 @@ mod tests {
     fn step_costs_learn_what_a_position_costs() {
         let mut costs = StepCosts::default();
         assert!(costs.model().is_none());
-        costs.observe(4, 0.010);
+        costs.observe(4, 0.010, 4, false);
         let (fixed, per_position) = costs.model().expect("a model");
         assert!((fixed - 0.010).abs() < 1e-12);
         assert!((per_position - 0.010 / 32.0).abs() < 1e-12);
         for w in [1, 5, 9, 13, 17] {
-            costs.observe(w, 0.004 + 0.001 * w as f64);
+            costs.observe(w, 0.004 + 0.001 * w as f64, w, false);
         }
         let (fixed, per_position) = costs.model().expect("a model");
         assert!((per_position - 0.001).abs() < 3e-4, "{per_position}");
         assert!(fixed > 0.0 && fixed < 0.008, "{fixed}");
+    }
+
+    /// Steps with drafts that commit fewer tokens per second than plain steps stop drafts
+    /// but for a probe every [`PROBE_EVERY`] steps; once they commit more, drafts come
+    /// back.
+    #[test]
+    fn drafts_that_slow_the_batch_stop_but_for_probes() {
+        let mut costs = StepCosts::default();
+        let mut allowed = 0;
+        for i in 0..64 {
+            match costs.drafting_allowed() {
+                // Drafted steps: 8 tokens in 20 ms; plain ones: 8 in 10 ms.
+                true => costs.observe(16, 0.020, 8, true),
+                false => costs.observe(8, 0.010, 8, false),
+            }
+            if i >= 32 && costs.drafting_allowed() {
+                allowed += 1;
+            }
+        }
+        assert!((1..=4).contains(&allowed), "{allowed} of 32 steps drafted");
+        for _ in 0..200 {
+            match costs.drafting_allowed() {
+                // Now drafted steps commit 24 tokens in 20 ms.
+                true => costs.observe(16, 0.020, 24, true),
+                false => costs.observe(8, 0.010, 8, false),
+            }
+        }
+        assert!(costs.drafting_allowed(), "drafts pay again");
     }
 }

@@ -152,6 +152,9 @@ impl<'m> BatchDecoder<'m> {
             })
             .collect();
         let positions: usize = arrays.iter().flatten().map(|a| a.shape()[1] as usize).sum();
+        let drafted = rows
+            .iter()
+            .any(|r| matches!(r, Some(Row::Decode(drafts, _)) if !drafts.is_empty()));
         if positions == 0 {
             return Ok(Vec::new());
         }
@@ -247,7 +250,9 @@ impl<'m> BatchDecoder<'m> {
                 ended.push((s.id, stop));
             }
         }
-        self.costs.observe(positions, start.elapsed().as_secs_f64());
+        let committed: usize = progress.iter().map(|p| p.tokens).sum();
+        self.costs
+            .observe(positions, start.elapsed().as_secs_f64(), committed, drafted);
         for (id, stop) in ended {
             let Some(at) = self.sequences.iter().position(|s| s.id == id) else {
                 continue;
@@ -313,6 +318,9 @@ impl<'m> BatchDecoder<'m> {
             (DraftBudget::Everything, _) => offers.iter().map(|o| o.available).collect(),
             // Before any step is timed, a plain step is timed first.
             (DraftBudget::FollowLoad, None) => vec![0; offers.len()],
+            (DraftBudget::FollowLoad, Some(_)) if !self.costs.drafting_allowed() => {
+                vec![0; offers.len()]
+            }
             (DraftBudget::FollowLoad, Some(costs)) => {
                 let decoding = rows.iter().filter(|r| matches!(r, Some(Row::Decode(..))));
                 allocate(&offers, positions, decoding.count() as f64, costs)
