@@ -17,6 +17,7 @@ use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
 
 use dspec_plugin_api::{BatchRow, TargetModel};
+use dspec_runtime::Backend;
 
 use crate::decoding::logprobs::TokenLogprob;
 use crate::decoding::sampling::{argmax_ids, host_ids, EnginePicker};
@@ -29,8 +30,14 @@ pub use sequence::{Finished, NewSequence, SequenceId};
 
 /// Prompt positions a step reads at most, over all sequences joining: enough that a
 /// prompt is read in a few steps, few enough that the sequences decoding meanwhile are
-/// held up for a fraction of a second on a CPU, less on a GPU.
-pub const PREFILL_POSITIONS_PER_STEP: usize = 256;
+/// held up for a fraction of a second. A GPU reads thousands of positions in the time
+/// a step's fixed costs take (weights, and attention per sequence), so it takes more.
+pub fn prefill_positions_per_step(backend: Backend) -> usize {
+    match backend {
+        Backend::Cpu => 256,
+        _ => 2048,
+    }
+}
 
 /// How many of the drafts offered a step verifies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +92,7 @@ impl<'m> BatchDecoder<'m> {
             sequences: Vec::new(),
             next_id: 0,
             max_draft,
-            prefill_positions: PREFILL_POSITIONS_PER_STEP,
+            prefill_positions: prefill_positions_per_step(Backend::current()),
             draft_budget: DraftBudget::FollowLoad,
             costs: StepCosts::default(),
         }
