@@ -1477,3 +1477,50 @@ fn a_full_batch_queues_then_refuses_and_a_client_leaving_spares_the_others() {
         "the one running on: {second_text:?}"
     );
 }
+
+/// Eight chat requests through the official `openai` client, one after another and then
+/// all at once from eight threads: the same texts.
+const OPENAI_CONCURRENT_SCRIPT: &str = r#"
+import json, sys, threading
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
+prompts = [f"Tell me one fact about the number {i}." for i in range(8)]
+def ask(prompt):
+    answer = client.chat.completions.create(model="tiny", max_tokens=32, temperature=0,
+        messages=[{"role": "user", "content": prompt}])
+    return answer.choices[0].message.content
+alone = [ask(p) for p in prompts]
+together = [None] * len(prompts)
+def run(i):
+    together[i] = ask(prompts[i])
+threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"alone": alone, "together": together}))
+"#;
+
+/// The real SmolLM2-135M served with `--max-batch 8` and n-gram drafts: eight clients at
+/// once get the texts they get one at a time.
+#[test]
+fn eight_openai_clients_at_once_get_what_they_get_one_at_a_time_on_a_real_model() {
+    let (_, model) = common::fetch_real_model("smollm2");
+    let server = Server::start_model(
+        model.to_str().expect("utf-8 path"),
+        None,
+        "ngram",
+        &["--max-batch", "8"],
+    );
+    server.wait_for_log("(batch 8,");
+    let got = openai_client(&server, OPENAI_CONCURRENT_SCRIPT, &[]);
+    let alone = got["alone"].as_array().expect("texts");
+    assert_eq!(alone.len(), 8);
+    assert!(
+        alone
+            .iter()
+            .all(|t| !t.as_str().unwrap_or("").trim().is_empty()),
+        "{got}"
+    );
+    assert_eq!(got["together"], got["alone"]);
+}
