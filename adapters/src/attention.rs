@@ -673,21 +673,36 @@ impl Attention {
             s.rope.forward_at(&q, &positions)?,
             s.rope.forward_at(&k, &positions)?,
         );
-        // A row's positions back as one sequence: `[1, heads, L, D]`.
-        let row = |a: &Array, start: i32, len: i32| -> Result<Array> {
-            let rows = slice_axis(a, 0, start, start + len)?;
-            Ok(match len {
+        // Each row's positions, split off in one graph node per tensor (MLX splits into
+        // up to 10 pieces so), back as one sequence: `[1, heads, L, D]`.
+        let ends: Vec<i32> = lens[..lens.len() - 1]
+            .iter()
+            .scan(0, |end, &len| {
+                *end += len;
+                Some(*end)
+            })
+            .collect();
+        let as_sequence = |rows: Array| -> Result<Array> {
+            Ok(match rows.shape()[0] {
                 1 => rows,
                 _ => rows.transpose_axes(&[2, 1, 0, 3])?,
             })
         };
+        let (qs, ks, vs) = (
+            q.split_at_indices(&ends, 0)?,
+            k.split_at_indices(&ends, 0)?,
+            v.split_at_indices(&ends, 0)?,
+        );
         let mut outs = Vec::with_capacity(lens.len());
-        let mut start = 0;
-        for (cache, &len) in caches.iter_mut().zip(lens) {
+        for (((cache, &len), (q, k)), v) in caches
+            .iter_mut()
+            .zip(lens)
+            .zip(qs.into_iter().zip(ks))
+            .zip(vs)
+        {
             let offset = cache.offset() as i32;
-            let q = row(&q, start, len)?;
-            let (keys, values) =
-                cache.update_and_fetch(&row(&k, start, len)?, &row(&v, start, len)?)?;
+            let q = as_sequence(q)?;
+            let (keys, values) = cache.update_and_fetch(&as_sequence(k)?, &as_sequence(v)?)?;
             let mask = attention_mask(offset, len, s.sliding_window)?;
             let out = if attends_position_by_position(offset, len, &mask) {
                 self.attend_each_position(&q, &keys, &values, offset)?
@@ -698,7 +713,6 @@ impl Attention {
                 1 => out,
                 _ => out.transpose_axes(&[2, 1, 0, 3])?,
             });
-            start += len;
         }
         // `[T, heads, 1, D]` lies in memory as `[1, T, heads·D]`.
         let out = concatenate(&outs, 0)?.reshape(&[1, total, s.heads * s.head_dim])?;
