@@ -24,6 +24,19 @@ const THROUGHPUT_DECAY: f64 = 0.97;
 /// this many is still granted drafts, so that the comparison follows the load.
 const PROBE_EVERY: usize = 16;
 
+/// What a step fed besides each decoding sequence's newest token, and the tokens it
+/// committed.
+pub(super) enum StepFed {
+    /// Chunks of prompts.
+    Prompts,
+    Drafts {
+        committed: usize,
+    },
+    Plain {
+        committed: usize,
+    },
+}
+
 /// The step costs measured so far.
 #[derive(Debug, Default)]
 pub(super) struct StepCosts {
@@ -36,11 +49,16 @@ pub(super) struct StepCosts {
 }
 
 impl StepCosts {
-    /// A step of `positions` took `seconds` and committed `tokens`; `drafted`: it
-    /// verified drafts.
-    pub(super) fn observe(&mut self, positions: usize, seconds: f64, tokens: usize, drafted: bool) {
+    /// A step of `positions` took `seconds`, and fed what `fed` says.
+    pub(super) fn observe(&mut self, positions: usize, seconds: f64, fed: StepFed) {
         self.fit.observe(positions as f64, seconds);
         self.steps += 1;
+        let (tokens, drafted) = match fed {
+            // Reading prompts is most of such a step: it says nothing about drafts.
+            StepFed::Prompts => return,
+            StepFed::Drafts { committed } => (committed, true),
+            StepFed::Plain { committed } => (committed, false),
+        };
         for (t, s) in [&mut self.drafted, &mut self.plain] {
             *t *= THROUGHPUT_DECAY;
             *s *= THROUGHPUT_DECAY;
@@ -177,12 +195,12 @@ mod tests {
     fn step_costs_learn_what_a_position_costs() {
         let mut costs = StepCosts::default();
         assert!(costs.model().is_none());
-        costs.observe(4, 0.010, 4, false);
+        costs.observe(4, 0.010, StepFed::Plain { committed: 4 });
         let (fixed, per_position) = costs.model().expect("a model");
         assert!((fixed - 0.010).abs() < 1e-12);
         assert!((per_position - 0.010 / 32.0).abs() < 1e-12);
         for w in [1, 5, 9, 13, 17] {
-            costs.observe(w, 0.004 + 0.001 * w as f64, w, false);
+            costs.observe(w, 0.004 + 0.001 * w as f64, StepFed::Plain { committed: w });
         }
         let (fixed, per_position) = costs.model().expect("a model");
         assert!((per_position - 0.001).abs() < 3e-4, "{per_position}");
@@ -199,8 +217,8 @@ mod tests {
         for i in 0..64 {
             match costs.drafting_allowed() {
                 // Drafted steps: 8 tokens in 20 ms; plain ones: 8 in 10 ms.
-                true => costs.observe(16, 0.020, 8, true),
-                false => costs.observe(8, 0.010, 8, false),
+                true => costs.observe(16, 0.020, StepFed::Drafts { committed: 8 }),
+                false => costs.observe(8, 0.010, StepFed::Plain { committed: 8 }),
             }
             if i >= 32 && costs.drafting_allowed() {
                 allowed += 1;
@@ -210,8 +228,8 @@ mod tests {
         for _ in 0..200 {
             match costs.drafting_allowed() {
                 // Now drafted steps commit 24 tokens in 20 ms.
-                true => costs.observe(16, 0.020, 24, true),
-                false => costs.observe(8, 0.010, 8, false),
+                true => costs.observe(16, 0.020, StepFed::Drafts { committed: 24 }),
+                false => costs.observe(8, 0.010, StepFed::Plain { committed: 8 }),
             }
         }
         assert!(costs.drafting_allowed(), "drafts pay again");

@@ -24,7 +24,7 @@ use crate::decoding::sampling::{argmax_ids, host_ids, EnginePicker};
 use crate::decoding::speculative::acceptance::{accept_sampled, greedy_prefix, Accepted};
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
-use budget::{allocate, Offer, StepCosts};
+use budget::{allocate, Offer, StepCosts, StepFed};
 use sequence::Sequence;
 pub use sequence::{Finished, NewSequence, SequenceId};
 
@@ -162,6 +162,7 @@ impl<'m> BatchDecoder<'m> {
         let drafted = rows
             .iter()
             .any(|r| matches!(r, Some(Row::Decode(drafts, _)) if !drafts.is_empty()));
+        let read_prompts = rows.iter().any(|r| matches!(r, Some(Row::Prompt(_))));
         if positions == 0 {
             return Ok(Vec::new());
         }
@@ -258,8 +259,13 @@ impl<'m> BatchDecoder<'m> {
             }
         }
         let committed: usize = progress.iter().map(|p| p.tokens).sum();
+        let fed = match (read_prompts, drafted) {
+            (true, _) => StepFed::Prompts,
+            (false, true) => StepFed::Drafts { committed },
+            (false, false) => StepFed::Plain { committed },
+        };
         self.costs
-            .observe(positions, start.elapsed().as_secs_f64(), committed, drafted);
+            .observe(positions, start.elapsed().as_secs_f64(), fed);
         for (id, stop) in ended {
             let Some(at) = self.sequences.iter().position(|s| s.id == id) else {
                 continue;
