@@ -62,8 +62,7 @@ pub struct ServeArgs {
     /// or a distributed group, requests are served one at a time.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     max_batch: Option<u32>,
-    /// Requests that may wait while --max-batch are generated (1 to 4096); more are
-    /// answered 429.
+    /// Requests that may wait while the batch is full (1 to 4096); more are answered 429.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     queue_size: u32,
     /// Tokens generated for a request that gives no `max_tokens`, 1 to 2^32 − 1 (fewer
