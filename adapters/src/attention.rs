@@ -160,6 +160,34 @@ fn attends_position_by_position(offset: i32, len: i32, mask: &Mask) -> bool {
         && Backend::current() == Backend::Cpu
 }
 
+/// MLX splits an array into up to this many pieces with one graph node (and into more
+/// with a slice each).
+const PIECES_PER_SPLIT: usize = 10;
+
+/// `a` split along axis 0 into pieces of `lens` rows, in few graph nodes: up to
+/// [`PIECES_PER_SPLIT`] pieces at once, more through groups split again (a batch of 32
+/// rows takes 5 nodes, not 32). Graph nodes are host time, which bounds a batched step
+/// on a GPU.
+fn split_rows(a: &Array, lens: &[i32]) -> Result<Vec<Array>> {
+    if lens.len() <= PIECES_PER_SPLIT {
+        let ends: Vec<i32> = lens[..lens.len().saturating_sub(1)]
+            .iter()
+            .scan(0, |end, &len| {
+                *end += len;
+                Some(*end)
+            })
+            .collect();
+        return Ok(a.split_at_indices(&ends, 0)?);
+    }
+    let groups: Vec<&[i32]> = lens.chunks(PIECES_PER_SPLIT).collect();
+    let group_lens: Vec<i32> = groups.iter().map(|g| g.iter().sum()).collect();
+    let mut pieces = Vec::with_capacity(lens.len());
+    for (group, lens) in split_rows(a, &group_lens)?.iter().zip(groups) {
+        pieces.extend(split_rows(group, lens)?);
+    }
+    Ok(pieces)
+}
+
 /// A forward of `len` positions after `offset` cached ones that may attend over the
 /// whole cache buffer.
 pub fn is_short_continuation(offset: i32, len: i32) -> bool {
@@ -673,15 +701,8 @@ impl Attention {
             s.rope.forward_at(&q, &positions)?,
             s.rope.forward_at(&k, &positions)?,
         );
-        // Each row's positions, split off in one graph node per tensor (MLX splits into
-        // up to 10 pieces so), back as one sequence: `[1, heads, L, D]`.
-        let ends: Vec<i32> = lens[..lens.len() - 1]
-            .iter()
-            .scan(0, |end, &len| {
-                *end += len;
-                Some(*end)
-            })
-            .collect();
+        // Each row's positions split off (few graph nodes: see `split_rows`), back as one
+        // sequence: `[1, heads, L, D]`.
         let as_sequence = |rows: Array| -> Result<Array> {
             Ok(match rows.shape()[0] {
                 1 => rows,
@@ -689,9 +710,9 @@ impl Attention {
             })
         };
         let (qs, ks, vs) = (
-            q.split_at_indices(&ends, 0)?,
-            k.split_at_indices(&ends, 0)?,
-            v.split_at_indices(&ends, 0)?,
+            split_rows(&q, lens)?,
+            split_rows(&k, lens)?,
+            split_rows(&v, lens)?,
         );
         let mut outs = Vec::with_capacity(lens.len());
         for (((cache, &len), (q, k)), v) in caches
@@ -871,6 +892,28 @@ mod tests {
         };
         let mut weights = RandomWeights::new(seed).unwrap();
         Attention::load(&mut weights, "layer.self_attn", spec).unwrap()
+    }
+
+    /// Rows split in groups come out as the plain slices would, for batches under, at
+    /// and over what one split takes, with rows of several positions among them.
+    #[test]
+    fn split_rows_gives_each_rows_positions() {
+        for n in [2usize, 10, 16, 27, 103] {
+            let lens: Vec<i32> = (0..n).map(|i| 1 + (i % 3 == 0) as i32 * 2).collect();
+            let total: i32 = lens.iter().sum();
+            let a = arange::<_, f32>(0.0, total as f32, None)
+                .unwrap()
+                .reshape(&[total, 1])
+                .unwrap();
+            let pieces = split_rows(&a, &lens).unwrap();
+            assert_eq!(pieces.len(), n);
+            let mut start = 0;
+            for (piece, &len) in pieces.iter().zip(&lens) {
+                let want: Vec<f32> = (start..start + len).map(|x| x as f32).collect();
+                assert_eq!(piece.as_slice::<f32>(), &want[..], "{n} rows");
+                start += len;
+            }
+        }
     }
 
     /// Attention in the row layout equals one-token decoding at each position, bitwise,
