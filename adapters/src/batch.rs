@@ -2,6 +2,7 @@
 //! ([`TargetModel::forward_batch`]): the rows' checks, and their logits from the packed
 //! hidden states, through the final norm and head for the wanted positions only.
 
+use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
@@ -9,15 +10,24 @@ use dspec_plugin_api::target::{check_batch_row, check_forward_args};
 use dspec_plugin_api::{BatchRow, TargetModel};
 use dspec_runtime::slicing::slice_axis;
 
-/// Checks every row as a forward of its own would be checked; returns their lengths.
-pub fn check_batch(rows: &[BatchRow<'_>], num_layers: usize) -> Result<Vec<i32>> {
-    rows.iter()
+/// Checks every row as a forward of its own would be checked; returns the rows' lengths
+/// and their tokens embedded one after another (`[1, T, hidden]`), which the layers then
+/// run as one sequence.
+pub fn embedded_rows(
+    model: &dyn TargetModel,
+    rows: &[BatchRow<'_>],
+    num_layers: usize,
+) -> Result<(Vec<i32>, Array)> {
+    let lens = rows
+        .iter()
         .map(|row| {
             check_forward_args(row.tokens, row.cache, &[], num_layers)?;
             check_batch_row(row)?;
             Ok(row.tokens.shape()[1])
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    let tokens: Vec<&Array> = rows.iter().map(|r| r.tokens).collect();
+    Ok((lens, model.embed(&concatenate(&tokens, 1)?)?))
 }
 
 /// Each row's wanted logits from `h`, the final layer's output over the packed rows
@@ -64,7 +74,7 @@ mod tests {
     use dspec_plugin_api::{BatchRow, LoadOptions, ModelCache, TargetModel};
 
     use crate::fixtures::{
-        load_dir, with, write_random_model, TINY_LLAMA, TINY_QWEN3_5_OVERRIDES,
+        load_dir, tiny_experts, with, write_random_model, TINY_LLAMA, TINY_QWEN3_5_OVERRIDES,
         TINY_QWEN3_NEXT_OVERRIDES,
     };
 
@@ -190,18 +200,6 @@ mod tests {
         out
     }
 
-    /// 4 experts, 2 per position, renormalised; a gated shared expert where `shared`.
-    fn experts(shared: bool) -> String {
-        let shared = match shared {
-            true => r#", "shared_expert_intermediate_size": 32"#,
-            false => "",
-        };
-        format!(
-            r#"{{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                "norm_topk_prob": true{shared}}}"#
-        )
-    }
-
     /// Rows run together give what each row gives alone, within f32 rounding (a product
     /// of several rows may sum in another order than one of a single row), and the same
     /// greedy tokens, for dense families (plain, q/k norms, a sliding window with score
@@ -230,7 +228,7 @@ mod tests {
                         TINY_LLAMA,
                         r#"{"model_type": "qwen3_moe", "head_dim": 16, "mlp_only_layers": [1]}"#,
                     ),
-                    &experts(false),
+                    &tiny_experts(false),
                 ),
             ),
             ("qwen3_5", with(TINY_LLAMA, TINY_QWEN3_5_OVERRIDES)),
@@ -241,7 +239,7 @@ mod tests {
                         &with(TINY_LLAMA, TINY_QWEN3_5_OVERRIDES),
                         TINY_QWEN3_NEXT_OVERRIDES,
                     ),
-                    &experts(true),
+                    &tiny_experts(true),
                 ),
             ),
         ];
@@ -289,36 +287,21 @@ mod tests {
         write_random_model(dir.path(), TINY_LLAMA, 3, None).expect("fixture");
         let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
         let ids = Array::from_slice(&[1u32, 2, 3], &[1, 3]);
+        // Two rows of `ids`, the second wanting `logits` over `second`.
+        let refused = |first: &mut ModelCache, second: &mut ModelCache, logits: usize| {
+            let row = |cache, logits| BatchRow {
+                tokens: &ids,
+                cache,
+                logits,
+            };
+            let mut rows = [row(first, 1), row(second, logits)];
+            model.forward_batch(&mut rows).expect_err("refused")
+        };
         let (mut a, mut b) = (model.new_cache(), model.new_cache());
-        let mut rows = [
-            BatchRow {
-                tokens: &ids,
-                cache: &mut a,
-                logits: 1,
-            },
-            BatchRow {
-                tokens: &ids,
-                cache: &mut b,
-                logits: 4,
-            },
-        ];
-        let err = model.forward_batch(&mut rows).expect_err("refused");
+        let err = refused(&mut a, &mut b, 4);
         assert!(err.to_string().contains("last 4 positions"), "{err}");
         assert_eq!(a.offset(), 0, "nothing ran");
-        let mut other = ModelCache::new(1);
-        let mut rows = [
-            BatchRow {
-                tokens: &ids,
-                cache: &mut a,
-                logits: 1,
-            },
-            BatchRow {
-                tokens: &ids,
-                cache: &mut other,
-                logits: 1,
-            },
-        ];
-        let err = model.forward_batch(&mut rows).expect_err("refused");
+        let err = refused(&mut a, &mut ModelCache::new(1), 1);
         assert!(err.to_string().contains("different model"), "{err}");
     }
 }

@@ -85,6 +85,19 @@ pub const TINY_QWEN3_NEXT_OVERRIDES: &str = r#"{
     "num_experts": 0
 }"#;
 
+/// Tiny mixture-of-experts overrides: 4 experts of 32, 2 per position, renormalised;
+/// with a sigmoid-gated shared expert of 32 where `shared`.
+pub fn tiny_experts(shared: bool) -> String {
+    let shared = match shared {
+        true => r#", "shared_expert_intermediate_size": 32"#,
+        false => "",
+    };
+    format!(
+        r#"{{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "norm_topk_prob": true{shared}}}"#
+    )
+}
+
 /// `base` with the top-level keys of `overrides` replaced (both JSON objects).
 pub fn with(base: &str, overrides: &str) -> String {
     let mut merged: serde_json::Value = serde_json::from_str(base).unwrap_or_default();

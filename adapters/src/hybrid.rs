@@ -26,7 +26,7 @@ use dspec_runtime::slicing::slice_axis;
 use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
 };
-use crate::batch::{check_batch, rows_logits};
+use crate::batch::{embedded_rows, rows_logits};
 use crate::config::{CommonConfig, MoeConfig, MoeDefaults};
 use crate::continuation::ContinuationLayout;
 use crate::gated_delta::{
@@ -504,9 +504,7 @@ impl TargetModel for HybridDecoder {
         if rows.len() < 2 {
             return forward_rows_one_by_one(self, rows);
         }
-        let lens = check_batch(rows, self.layers.len())?;
-        let tokens: Vec<&Array> = rows.iter().map(|r| r.tokens).collect();
-        let mut h = self.embed(&concatenate(&tokens, 1)?)?;
+        let (lens, mut h) = embedded_rows(self, rows, self.layers.len())?;
         for (i, layer) in self.layers.iter().enumerate() {
             let x = layer.input_norm.forward(&h)?;
             let mixed = match &layer.mixer {
@@ -528,8 +526,7 @@ impl TargetModel for HybridDecoder {
             let mid = h.add(mixed)?;
             h = mid.add(layer.mlp.forward(&layer.post_norm.forward(&mid)?)?)?;
         }
-        let model: &dyn TargetModel = self;
-        rows_logits(model, &h, rows, &lens)
+        rows_logits(self, &h, rows, &lens)
     }
 
     fn batches_rows(&self) -> bool {

@@ -15,7 +15,7 @@ use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
     WHOLE_BUFFER_MAX_TOKENS,
 };
-use crate::batch::{check_batch, rows_logits};
+use crate::batch::{embedded_rows, rows_logits};
 use crate::continuation::ContinuationLayout;
 use crate::cuda;
 use crate::layers::{
@@ -480,9 +480,7 @@ impl TargetModel for Decoder {
         if rows.len() < 2 {
             return forward_rows_one_by_one(self, rows);
         }
-        let lens = check_batch(rows, self.layers.len())?;
-        let tokens: Vec<&Array> = rows.iter().map(|r| r.tokens).collect();
-        let mut h = self.embed(&concatenate(&tokens, 1)?)?;
+        let (lens, mut h) = embedded_rows(self, rows, self.layers.len())?;
         for (i, layer) in self.layers.iter().enumerate() {
             let mut caches = rows
                 .iter_mut()
@@ -490,8 +488,7 @@ impl TargetModel for Decoder {
                 .collect::<Result<Vec<_>>>()?;
             h = layer.forward_packed(&h, &mut caches, &lens)?;
         }
-        let model: &dyn TargetModel = self;
-        rows_logits(model, &h, rows, &lens)
+        rows_logits(self, &h, rows, &lens)
     }
 
     fn batches_rows(&self) -> bool {

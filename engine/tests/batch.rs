@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use dspec_adapters::fixtures::{with, TINY_QWEN3_5_OVERRIDES};
+use dspec_adapters::fixtures::{tiny_experts, with, TINY_QWEN3_5_OVERRIDES};
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::decoding::batch::{BatchDecoder, DraftBudget, Finished, NewSequence, SequenceId};
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
@@ -130,7 +130,7 @@ fn targets() -> Vec<(&'static str, String)> {
             "qwen3_moe",
             with(
                 r#"{"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "mlp_only_layers": [1]}"#,
-                r#"{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": true}"#,
+                &tiny_experts(false),
             ),
         ),
     ]

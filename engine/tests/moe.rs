@@ -6,7 +6,9 @@
 
 use mlx_rs::Array;
 
-use dspec_adapters::fixtures::{with, TINY_QWEN3_5_OVERRIDES, TINY_QWEN3_NEXT_OVERRIDES};
+use dspec_adapters::fixtures::{
+    tiny_experts, with, TINY_QWEN3_5_OVERRIDES, TINY_QWEN3_NEXT_OVERRIDES,
+};
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_drafters::{dflash, dspark};
 use dspec_engine::loading::LoadedModel;
@@ -24,35 +26,23 @@ use common::{
 /// The vocabulary of the tiny targets (bytes and three specials).
 const VOCAB: u32 = 259;
 
-/// 4 experts, 2 per position, renormalised; a gated shared expert where `shared`.
-fn experts(shared: bool) -> String {
-    let shared = match shared {
-        true => r#", "shared_expert_intermediate_size": 32"#,
-        false => "",
-    };
-    format!(
-        r#"{{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "norm_topk_prob": true{shared}}}"#
-    )
-}
-
 /// The three MoE families' tiny targets and their layer counts: Qwen3-MoE with a dense
 /// second layer (`mlp_only_layers`), the hybrids with experts on every layer.
 fn targets() -> Vec<(&'static str, String, usize)> {
     let qwen3_moe = with(
         r#"{"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16, "mlp_only_layers": [1]}"#,
-        &experts(false),
+        &tiny_experts(false),
     );
     let qwen3_next = with(
         &with(TINY_QWEN3_5_OVERRIDES, TINY_QWEN3_NEXT_OVERRIDES),
-        &experts(true),
+        &tiny_experts(true),
     );
     let qwen3_5_moe = with(
         &with(
             TINY_QWEN3_5_OVERRIDES,
             r#"{"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"]}"#,
         ),
-        &experts(true),
+        &tiny_experts(true),
     );
     vec![
         ("qwen3_moe", qwen3_moe, 2),

@@ -508,8 +508,8 @@ fn sixteen_clients_at_once_get_their_own_answers_or_429() {
     assert_eq!((status, &answer["choices"][0]["text"]), (200, &alone[3]));
 }
 
-/// Sends a streamed request on a raw socket and reads until the first text chunk.
-fn open_stream(server: &Server, body: &Value) -> TcpStream {
+/// Sends a completion request on a raw socket, reading nothing back.
+fn send_completion(server: &Server, body: &Value) -> TcpStream {
     let mut socket = TcpStream::connect(&server.addr).expect("connect");
     let payload = body.to_string();
     write!(
@@ -519,6 +519,12 @@ fn open_stream(server: &Server, body: &Value) -> TcpStream {
         payload.len()
     )
     .expect("send");
+    socket
+}
+
+/// Sends a streamed request on a raw socket and reads until the first text chunk.
+fn open_stream(server: &Server, body: &Value) -> TcpStream {
+    let mut socket = send_completion(server, body);
     socket
         .set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
@@ -567,15 +573,7 @@ fn a_client_that_disconnects_cancels_its_generation() {
 
     // A client waiting for a whole answer that leaves cancels it too.
     body["stream"] = json!(false);
-    let mut socket = TcpStream::connect(&server.addr).expect("connect");
-    let payload = body.to_string();
-    write!(
-        socket,
-        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
-        server.addr,
-        payload.len()
-    )
-    .expect("send");
+    let socket = send_completion(&server, &body);
     // Well inside the seconds the whole answer takes.
     std::thread::sleep(Duration::from_millis(1000));
     drop(socket);
@@ -1447,15 +1445,7 @@ fn a_full_batch_queues_then_refuses_and_a_client_leaving_spares_the_others() {
     let first = open_stream(&server, &long);
     // Streaming text while the first is: both in one batch.
     let second = open_stream(&server, &long);
-    let mut third = TcpStream::connect(&server.addr).expect("connect");
-    let payload = long.to_string();
-    write!(
-        third,
-        "POST /v1/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
-        server.addr,
-        payload.len()
-    )
-    .expect("send");
+    let third = send_completion(&server, &long);
     std::thread::sleep(Duration::from_millis(300));
     let (status, refused) = server.post("/v1/completions", &long_request());
     assert_eq!(status, 429, "{refused}");

@@ -73,6 +73,14 @@ pub struct BatchDecoder<'m> {
     costs: StepCosts,
 }
 
+/// Which of the drafts offered a step verifies.
+enum Grant {
+    All,
+    None,
+    /// As many as pay under the cost model `(fixed, per_position)` seconds.
+    ByCost((f64, f64)),
+}
+
 /// What a step feeds one sequence.
 enum Row {
     /// A chunk of its prompt, for the cache only.
@@ -290,6 +298,16 @@ impl<'m> BatchDecoder<'m> {
         let mut rows = Vec::with_capacity(self.sequences.len());
         let mut offered: Vec<(usize, Vec<u32>, f64)> = Vec::new();
         let mut positions = 0;
+        // Where this step verifies no drafts, a drafter is asked for one only: its guess,
+        // checked against the step's token.
+        let grant = match (self.draft_budget, self.costs.model()) {
+            (DraftBudget::Everything, _) => Grant::All,
+            // Before any step is timed, a plain step is timed first.
+            (DraftBudget::FollowLoad, None) => Grant::None,
+            (DraftBudget::FollowLoad, Some(_)) if !self.costs.drafting_allowed() => Grant::None,
+            (DraftBudget::FollowLoad, Some(costs)) => Grant::ByCost(costs),
+        };
+        let drafting = !matches!(grant, Grant::None);
         for (i, s) in self.sequences.iter_mut().enumerate() {
             let left = s.prompt_left();
             if left > 0 {
@@ -302,9 +320,10 @@ impl<'m> BatchDecoder<'m> {
             positions += 1;
             // The first decode row feeds the prompt's last token: drafts follow committed
             // tokens only, as in a generation alone.
-            let cap = match s.has_committed() {
-                true => s.draft_cap(self.max_draft),
-                false => 0,
+            let cap = match (s.has_committed(), drafting) {
+                (true, true) => s.draft_cap(self.max_draft),
+                (true, false) => s.draft_cap(self.max_draft).min(1),
+                (false, _) => 0,
             };
             let drafter = s.drafter.as_mut().filter(|d| d.drafts());
             if let (Some(drafter), true) = (drafter, cap > 0) {
@@ -327,14 +346,10 @@ impl<'m> BatchDecoder<'m> {
                 alpha: *alpha,
             })
             .collect();
-        let granted = match (self.draft_budget, self.costs.model()) {
-            (DraftBudget::Everything, _) => offers.iter().map(|o| o.available).collect(),
-            // Before any step is timed, a plain step is timed first.
-            (DraftBudget::FollowLoad, None) => vec![0; offers.len()],
-            (DraftBudget::FollowLoad, Some(_)) if !self.costs.drafting_allowed() => {
-                vec![0; offers.len()]
-            }
-            (DraftBudget::FollowLoad, Some(costs)) => {
+        let granted = match grant {
+            Grant::All => offers.iter().map(|o| o.available).collect(),
+            Grant::None => vec![0; offers.len()],
+            Grant::ByCost(costs) => {
                 let decoding = rows.iter().filter(|r| matches!(r, Some(Row::Decode(..))));
                 allocate(&offers, positions, decoding.count() as f64, costs)
             }

@@ -12,6 +12,7 @@ use crate::decoding::sampling::Sampler;
 use crate::decoding::session::{
     context_limit, GenerationConfig, GenerationStats, StopReason, TextStream,
 };
+use crate::decoding::speculative::stats::Tally;
 use crate::decoding::speculative::SpeculativeStats;
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
@@ -44,32 +45,6 @@ pub struct Finished {
     /// When asked for: one entry per generated token but an ending EOS.
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub cache: ModelCache,
-}
-
-/// Per-sequence counts behind its [`SpeculativeStats`].
-#[derive(Default)]
-struct Tally {
-    forwards: usize,
-    drafted: usize,
-    accepted: usize,
-    acceptance_histogram: Vec<usize>,
-    draft_histogram: Vec<usize>,
-}
-
-impl Tally {
-    fn round(&mut self, drafted: usize, accepted: usize) {
-        let bump = |h: &mut Vec<usize>, i: usize| {
-            if h.len() <= i {
-                h.resize(i + 1, 0);
-            }
-            h[i] += 1;
-        };
-        self.forwards += 1;
-        self.drafted += drafted;
-        self.accepted += accepted;
-        bump(&mut self.draft_histogram, drafted);
-        bump(&mut self.acceptance_histogram, accepted);
-    }
 }
 
 /// How often drafts are kept: decayed counts, so a sequence whose text turns from a copy
@@ -159,7 +134,7 @@ impl Sequence {
             first_token: None,
             kept: 0.0,
             rejected: 0.0,
-            tally: Tally::default(),
+            tally: Tally::new(max_draft),
         })
     }
 
@@ -305,23 +280,8 @@ impl Sequence {
             stop,
         )
         .with_cached_prompt(self.cached_prompt);
-        let t = &self.tally;
-        let speculative = SpeculativeStats {
-            drafter: self
-                .drafter
-                .as_ref()
-                .map_or("none", |d| d.name())
-                .to_string(),
-            target_forwards: t.forwards,
-            drafted_tokens: t.drafted,
-            accepted_tokens: t.accepted,
-            tau: self.tokens.len() as f64 / t.forwards.max(1) as f64,
-            acceptance_histogram: t.acceptance_histogram.clone(),
-            draft_histogram: t.draft_histogram.clone(),
-            draft_time_share: 0.0,
-            round_cost: None,
-            round_times: Vec::new(),
-        };
+        let drafter = self.drafter.as_ref().map_or("none", |d| d.name());
+        let speculative = self.tally.into_stats(drafter, stats.decode_seconds);
         let finished = Finished {
             prompt: self.prompt,
             tokens: self.tokens,

@@ -76,7 +76,7 @@ pub(super) fn write_trace(out: &mut dyn Write, line: &RoundTrace) -> Result<(), 
 }
 
 /// Counts of what the rounds did, for [`SpeculativeStats`].
-pub(super) struct Tally {
+pub(crate) struct Tally {
     pub(super) forwards: usize,
     pub(super) drafted: usize,
     pub(super) accepted: usize,
@@ -92,7 +92,7 @@ pub(super) struct Tally {
 }
 
 impl Tally {
-    pub(super) fn new(max_draft: usize) -> Self {
+    pub(crate) fn new(max_draft: usize) -> Self {
         Self {
             forwards: 0,
             drafted: 0,
@@ -105,7 +105,7 @@ impl Tally {
         }
     }
 
-    pub(super) fn round(&mut self, drafted: usize, accepted: usize) {
+    pub(crate) fn round(&mut self, drafted: usize, accepted: usize) {
         self.forwards += 1;
         self.drafted += drafted;
         self.accepted += accepted;
@@ -123,7 +123,7 @@ impl Tally {
     }
 
     /// The stats of a generation whose rounds this counted, over `decode_seconds`.
-    pub(super) fn into_stats(self, drafter: &str, decode_seconds: f64) -> SpeculativeStats {
+    pub(crate) fn into_stats(self, drafter: &str, decode_seconds: f64) -> SpeculativeStats {
         SpeculativeStats {
             drafter: drafter.to_string(),
             target_forwards: self.forwards,
