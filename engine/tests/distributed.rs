@@ -497,9 +497,14 @@ struct Serving {
 }
 
 impl Serving {
-    /// One process, outside any group.
+    /// One process, outside any group, serving one request at a time as a group does.
+    /// A batching process draws a sampled request's tokens from the same distribution but
+    /// not the same draws: which drafts a step verifies follows the load and the step
+    /// timings, and the draws follow the drafts.
     fn alone(args: &[&str]) -> Serving {
-        Self::launch(1, args)
+        let mut args = args.to_vec();
+        args.extend(["--max-batch", "1"]);
+        Self::launch(1, &args)
     }
 
     /// `n` ranks started as `mlx.launch` starts them.
