@@ -160,6 +160,10 @@ fn attends_position_by_position(offset: i32, len: i32, mask: &Mask) -> bool {
         && Backend::current() == Backend::Cpu
 }
 
+/// A batched decode step's attention over a key/value pool reads positions in
+/// multiples of this many, up to the longest sequence's.
+const POOL_READ_STEP: i32 = 64;
+
 /// MLX splits an array into up to this many pieces with one graph node (and into more
 /// with a slice each).
 const PIECES_PER_SPLIT: usize = 10;
@@ -701,6 +705,14 @@ impl Attention {
             s.rope.forward_at(&q, &positions)?,
             s.rope.forward_at(&k, &positions)?,
         );
+        // Every row one new token: the rows whose caches share a pool write and attend
+        // together.
+        if lens.iter().all(|&len| len == 1) && s.softcap.is_none() {
+            if let Some(out) = self.attend_one_each(&q, &k, &v, caches)? {
+                let out = out.reshape(&[1, total, s.heads * s.head_dim])?;
+                return self.o.forward(&gated(out, gate)?);
+            }
+        }
         // Each row's positions split off (few graph nodes: see `split_rows`), back as one
         // sequence: `[1, heads, L, D]`.
         let as_sequence = |rows: Array| -> Result<Array> {
@@ -714,16 +726,16 @@ impl Attention {
             split_rows(&k, lens)?,
             split_rows(&v, lens)?,
         );
+        // Every row's write before any read: caches sharing a pool then update it in
+        // place, one write after the other.
+        let offsets: Vec<i32> = caches.iter().map(|c| c.offset() as i32).collect();
+        for ((cache, k), v) in caches.iter_mut().zip(ks).zip(vs) {
+            cache.append(&as_sequence(k)?, &as_sequence(v)?)?;
+        }
         let mut outs = Vec::with_capacity(lens.len());
-        for (((cache, &len), (q, k)), v) in caches
-            .iter_mut()
-            .zip(lens)
-            .zip(qs.into_iter().zip(ks))
-            .zip(vs)
-        {
-            let offset = cache.offset() as i32;
+        for (((cache, &len), q), &offset) in caches.iter().zip(lens).zip(qs).zip(&offsets) {
             let q = as_sequence(q)?;
-            let (keys, values) = cache.update_and_fetch(&as_sequence(k)?, &as_sequence(v)?)?;
+            let (keys, values) = cache.fetch()?;
             let mask = attention_mask(offset, len, s.sliding_window)?;
             let out = if attends_position_by_position(offset, len, &mask) {
                 self.attend_each_position(&q, &keys, &values, offset)?
@@ -738,6 +750,126 @@ impl Attention {
         // `[T, heads, 1, D]` lies in memory as `[1, T, heads·D]`.
         let out = concatenate(&outs, 0)?.reshape(&[1, total, s.heads * s.head_dim])?;
         self.o.forward(&gated(out, gate)?)
+    }
+
+    /// Rows of one new position each (`q` `[R, heads, 1, D]`, `k`/`v` `[R, kv_heads, 1,
+    /// D]`): those whose caches share the first pooled row's pool through
+    /// [`Attention::attend_pooled`], the others (too long for the pool) one by one;
+    /// `[R, heads, 1, D]` in row order. `None` when fewer than two rows share a pool.
+    fn attend_one_each(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        caches: &mut [&mut KvCache],
+    ) -> Result<Option<Array>> {
+        let Some(pool) = caches.iter().find_map(|c| c.pool()).cloned() else {
+            return Ok(None);
+        };
+        let in_pool: Vec<bool> = caches
+            .iter()
+            .map(|c| c.pool().is_some_and(|p| p.same(&pool)))
+            .collect();
+        let pooled_rows: Vec<u32> = (0..caches.len() as u32)
+            .filter(|&r| in_pool[r as usize])
+            .collect();
+        if pooled_rows.len() < 2 {
+            return Ok(None);
+        }
+        if pooled_rows.len() == caches.len() {
+            return self.attend_pooled(q, k, v, caches);
+        }
+        let rows = Array::from_slice(&pooled_rows, &[pooled_rows.len() as i32]);
+        let (mut pooled, mut others): (Vec<&mut KvCache>, Vec<&mut KvCache>) =
+            (Vec::new(), Vec::new());
+        for (cache, &p) in caches.iter_mut().zip(&in_pool) {
+            match p {
+                true => pooled.push(&mut **cache),
+                false => others.push(&mut **cache),
+            }
+        }
+        let Some(together) = self.attend_pooled(
+            &q.take_axis(&rows, 0)?,
+            &k.take_axis(&rows, 0)?,
+            &v.take_axis(&rows, 0)?,
+            &mut pooled,
+        )?
+        else {
+            return Ok(None);
+        };
+        // The others alone, then every row back in its place.
+        let mut outs = vec![together];
+        let mut order = pooled_rows;
+        for (r, cache) in (0..in_pool.len()).filter(|&r| !in_pool[r]).zip(&mut others) {
+            let row = |a: &Array| slice_axis(a, 0, r as i32, r as i32 + 1);
+            let offset = cache.offset() as i32;
+            let (keys, values) = cache.update_and_fetch(&row(k)?, &row(v)?)?;
+            let mask = attention_mask(offset, 1, self.spec.sliding_window)?;
+            outs.push(self.attend(&row(q)?, &keys, &values, &mask)?);
+            order.push(r as u32);
+        }
+        let mut back = vec![0u32; order.len()];
+        for (at, &r) in order.iter().enumerate() {
+            back[r as usize] = at as u32;
+        }
+        Ok(Some(concatenate(&outs, 0)?.take_axis(
+            Array::from_slice(&back, &[back.len() as i32]),
+            0,
+        )?))
+    }
+
+    /// Rows of one new position each (`q` `[R, heads, 1, D]`, `k`/`v` `[R, kv_heads,
+    /// 1, D]`), their caches all in one pool: every row's keys and values written in
+    /// one graph node per buffer, and one attention over the pool's whole buffers, each
+    /// slot's query seeing its own valid positions. Slots not in this step attend too,
+    /// for nothing (one query row each). `[R, heads, 1, D]`, or `None` when the caches
+    /// are not in one pool.
+    fn attend_pooled(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        caches: &mut [&mut KvCache],
+    ) -> Result<Option<Array>> {
+        let s = &self.spec;
+        let Some((view, slots)) = KvCache::append_one_each(caches, k, v)? else {
+            return Ok(None);
+        };
+        let count = view.lengths.len() as i32;
+        let mut row_of = vec![0u32; count as usize];
+        for (row, &slot) in slots.iter().enumerate() {
+            row_of[slot] = row as u32;
+        }
+        let q = q.take_axis(Array::from_slice(&row_of, &[count]), 0)?;
+        // Keys past the longest slot's are never visible: attention reads only up to
+        // there (rounded up, so that the shapes repeat for a while).
+        let longest = view.lengths.iter().copied().max().unwrap_or(1);
+        let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
+        let used = used.min(view.keys.shape()[2]);
+        let (pool_keys, pool_values) = (
+            slice_axis(&view.keys, 2, 0, used)?,
+            slice_axis(&view.values, 2, 0, used)?,
+        );
+        let keys = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, used])?;
+        let lengths = Array::from_slice(&view.lengths, &[count, 1, 1, 1]);
+        let mut visible = keys.lt(&lengths)?;
+        if let Some(w) = s.sliding_window {
+            // The query is at `length − 1`: keys less than `w` before it.
+            visible = visible.logical_and(&keys.gt(lengths.subtract(Array::from_int(w + 1))?)?)?;
+        }
+        let out = scaled_dot_product_attention(
+            &q,
+            &pool_keys,
+            &pool_values,
+            s.scale,
+            Some(ScaledDotProductAttentionMask::Array(&visible)),
+            None,
+        )?;
+        let slots: Vec<u32> = slots.iter().map(|&slot| slot as u32).collect();
+        Ok(Some(out.take_axis(
+            Array::from_slice(&slots, &[slots.len() as i32]),
+            0,
+        )?))
     }
 
     /// Whether dspec's CUDA attention kernel takes this forward of `q` over

@@ -71,7 +71,7 @@ pub fn rows_logits(
 mod tests {
     use mlx_rs::{Array, Dtype};
 
-    use dspec_plugin_api::{BatchRow, LoadOptions, ModelCache, TargetModel};
+    use dspec_plugin_api::{BatchRow, KvPool, LoadOptions, ModelCache, TargetModel};
 
     use crate::fixtures::{
         load_dir, tiny_experts, with, write_random_model, TINY_LLAMA, TINY_QWEN3_5_OVERRIDES,
@@ -95,11 +95,13 @@ mod tests {
         }
     }
 
-    const STEPS: usize = 5;
+    const STEPS: usize = 7;
 
     /// Three sequences as a server meets them: a prompt read in one go, one read in two
     /// chunks, decode steps, verifies of several drafts, and rejected drafts trimmed;
-    /// in every call the rows are at different lengths and positions.
+    /// in every call the rows are at different lengths and positions. The last calls
+    /// are one new token for every row (after a trim in one), as plain batched decoding
+    /// runs them.
     fn schedule() -> [[Call; STEPS]; 3] {
         [
             [
@@ -108,6 +110,8 @@ mod tests {
                 call(0, 4, 4),
                 call(2, 1, 1),
                 call(0, 1, 1),
+                call(1, 1, 1),
+                call(0, 1, 1),
             ],
             [
                 call(0, 3, 1),
@@ -115,6 +119,8 @@ mod tests {
                 call(0, 1, 1),
                 call(0, 1, 1),
                 call(3, 6, 6),
+                call(0, 1, 1),
+                call(0, 1, 1),
             ],
             [
                 call(0, 9, 0),
@@ -122,6 +128,8 @@ mod tests {
                 call(0, 1, 1),
                 call(0, 3, 3),
                 call(1, 1, 1),
+                call(0, 1, 1),
+                call(0, 1, 1),
             ],
         ]
     }
@@ -133,13 +141,19 @@ mod tests {
     }
 
     /// Each call's wanted logits for every row, the rows run together through
-    /// `forward_batch` (`batched`) or each alone through `forward`.
-    fn run(model: &dyn TargetModel, batched: bool) -> Vec<Vec<f32>> {
+    /// `forward_batch` (`batched`) or each alone through `forward`, the attention
+    /// layers' keys and values of the last `pooled` rows in a pool per layer, the
+    /// others' in caches of their own.
+    fn run(model: &dyn TargetModel, batched: bool, pooled: usize) -> Vec<Vec<f32>> {
         let plan = schedule();
         let sequences: Vec<Vec<u32>> = (0..3).map(sequence).collect();
         let mut caches: Vec<ModelCache> = (0..3).map(|_| model.new_cache()).collect();
-        for cache in &mut caches {
+        let pools: Vec<KvPool> = (0..caches[0].num_layers()).map(|_| KvPool::new()).collect();
+        for (row, cache) in caches.iter_mut().enumerate() {
             cache.set_rollback_window(8);
+            if row + pooled >= 3 {
+                cache.join_pools(&pools).expect("join the pools");
+            }
         }
         let mut at = [0usize; 3];
         let mut out = Vec::new();
@@ -202,12 +216,20 @@ mod tests {
 
     /// Rows run together give what each row gives alone, within f32 rounding (a product
     /// of several rows may sum in another order than one of a single row), and the same
-    /// greedy tokens, for dense families (plain, q/k norms, a sliding window with score
-    /// softcapping), mixtures of experts and the hybrids.
+    /// greedy tokens, for dense families (plain, a sliding window, q/k norms, a sliding
+    /// window with score softcapping), mixtures of experts and the hybrids, with the
+    /// sequences' keys and values in caches of their own or in shared pools.
     #[test]
     fn rows_run_together_give_what_each_gives_alone() {
         let families = [
             ("llama", TINY_LLAMA.to_string()),
+            (
+                "mistral",
+                with(
+                    TINY_LLAMA,
+                    r#"{"model_type": "mistral", "sliding_window": 5}"#,
+                ),
+            ),
             (
                 "qwen3",
                 with(TINY_LLAMA, r#"{"model_type": "qwen3", "head_dim": 16}"#),
@@ -252,9 +274,21 @@ mod tests {
             };
             let model = load_dir(dir.path(), &options).expect("load");
             assert!(model.batches_rows(), "{name} batches its rows");
-            let (together, alone) = (run(model.as_ref(), true), run(model.as_ref(), false));
-            assert_eq!(together.len(), alone.len());
-            for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+            let alone = run(model.as_ref(), false, 0);
+            let runs = [
+                ("together", run(model.as_ref(), true, 0)),
+                ("together, pooled", run(model.as_ref(), true, 3)),
+                ("together, two of three pooled", run(model.as_ref(), true, 2)),
+                ("alone, pooled", run(model.as_ref(), false, 3)),
+            ];
+            for (i, (how, t, a)) in runs
+                .iter()
+                .flat_map(|(how, together)| {
+                    assert_eq!(together.len(), alone.len());
+                    together.iter().zip(&alone).map(move |(t, a)| (how, t, a))
+                })
+                .enumerate()
+            {
                 let largest = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
                 let worst = t
                     .iter()
@@ -263,7 +297,7 @@ mod tests {
                     .fold(0.0f32, f32::max);
                 assert!(
                     worst <= 1e-4 * largest.max(1.0),
-                    "{name}, logits {i}: differ by {worst} (largest {largest})"
+                    "{name} {how}, logits {i}: differ by {worst} (largest {largest})"
                 );
                 let argmax = |l: &[f32]| -> Vec<usize> {
                     l.chunks(97)
@@ -274,7 +308,11 @@ mod tests {
                         })
                         .collect()
                 };
-                assert_eq!(argmax(t), argmax(a), "{name}, logits {i}: greedy tokens");
+                assert_eq!(
+                    argmax(t),
+                    argmax(a),
+                    "{name} {how}, logits {i}: greedy tokens"
+                );
             }
         }
     }

@@ -18,6 +18,7 @@ use mlx_rs::ops::{concatenate, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::error::{ModelError, Result};
+use crate::kv_pool::{KvPool, PoolSlot, PoolView};
 use dspec_runtime::slicing::{slice_axis, write_axis};
 use dspec_runtime::Backend;
 
@@ -54,7 +55,8 @@ pub fn whole_buffer_pays() -> bool {
 }
 
 /// Keys and values of one attention layer, shaped `[B, kv_heads, capacity, head_dim]`.
-/// Only the first `offset` positions along axis 2 are valid.
+/// Only the first `offset` positions along axis 2 are valid. A cache that joined a
+/// [`KvPool`] keeps them in its slot there instead ([`KvCache::join_pool`]).
 #[derive(Default)]
 pub struct KvCache {
     keys: Option<Array>,
@@ -62,6 +64,7 @@ pub struct KvCache {
     offset: i32,
     /// Positions the first allocation covers at least ([`KvCache::reserve`]).
     reserved: usize,
+    pooled: Option<PoolSlot>,
 }
 
 impl KvCache {
@@ -83,17 +86,116 @@ impl KvCache {
 
     /// Allocated positions.
     pub fn capacity(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.shape()[2] as usize)
+        match &self.pooled {
+            Some(slot) => slot.pool.capacity(),
+            None => self.keys.as_ref().map_or(0, |k| k.shape()[2] as usize),
+        }
     }
 
     /// Appends `keys`/`values` (`[B, H, L, D]`) at the offset and returns all valid
     /// keys and values, `[B, H, offset + L, D]`.
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let (k_buf, v_buf) = self.write(keys, values)?;
-        Ok((
-            slice_axis(&k_buf, 2, 0, self.offset)?,
-            slice_axis(&v_buf, 2, 0, self.offset)?,
-        ))
+        self.append(keys, values)?;
+        self.fetch()
+    }
+
+    /// Appends `keys`/`values` (`[B, H, L, D]`) at the offset. With [`KvCache::fetch`]
+    /// after it: in a pool, every sequence's writes go first, so that each write
+    /// updates the buffer in place (a read between writes would make the next one copy
+    /// the whole pool).
+    pub fn append(&mut self, keys: &Array, values: &Array) -> Result<()> {
+        match &self.pooled {
+            Some(slot) => {
+                check_pooled_batch(keys)?;
+                slot.pool.write(slot.index, self.offset, keys, values)?;
+                self.offset += keys.shape()[2];
+            }
+            None => {
+                self.write(keys, values)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every valid key and value, `[B, H, offset, D]` (views).
+    pub fn fetch(&self) -> Result<(Array, Array)> {
+        match &self.pooled {
+            Some(slot) => slot.pool.fetch(slot.index, Some(self.offset)),
+            None => match (&self.keys, &self.values) {
+                (Some(k), Some(v)) => Ok((
+                    slice_axis(k, 2, 0, self.offset)?,
+                    slice_axis(v, 2, 0, self.offset)?,
+                )),
+                _ => Err(ModelError::Unsupported(
+                    "keys and values were read from a cache nothing was written to".into(),
+                )),
+            },
+        }
+    }
+
+    /// Moves this cache's positions into a slot of `pool` (the pool's buffers must
+    /// have this cache's head shape and dtype). Its positions then live there until
+    /// [`KvCache::leave_pool`], and it works as before.
+    pub fn join_pool(&mut self, pool: &KvPool) -> Result<()> {
+        if self.pooled.is_some() {
+            self.leave_pool()?;
+        }
+        let slot = pool.take_slot();
+        if self.offset > 0 {
+            let (k, v) = self.fetch()?;
+            pool.write(slot.index, 0, &k, &v)?;
+        }
+        self.keys = None;
+        self.values = None;
+        self.pooled = Some(slot);
+        Ok(())
+    }
+
+    /// Takes this cache's positions out of its pool into buffers of its own (a copy
+    /// of what it holds) and frees the slot; nothing to do outside a pool.
+    pub fn leave_pool(&mut self) -> Result<()> {
+        let Some(slot) = self.pooled.take() else {
+            return Ok(());
+        };
+        if self.offset > 0 {
+            let (k, v) = slot.pool.fetch(slot.index, Some(self.offset))?;
+            let offset = self.offset;
+            self.offset = 0;
+            self.write(&k, &v)?;
+            debug_assert_eq!(self.offset, offset);
+        }
+        Ok(())
+    }
+
+    /// The pool this cache's positions are in, if any.
+    pub fn pool(&self) -> Option<&KvPool> {
+        self.pooled.as_ref().map(|s| &s.pool)
+    }
+
+    /// Writes one new position for each of `caches` (all in one pool; `keys`/`values`
+    /// `[R, H, 1, D]`, row r for cache r) in a few graph nodes, and returns the pool's
+    /// whole buffers with each slot's valid length, for one attention over every slot.
+    /// `None` when the caches are not all in one pool (nothing is written then).
+    pub fn append_one_each(
+        caches: &mut [&mut KvCache],
+        keys: &Array,
+        values: &Array,
+    ) -> Result<Option<(PoolView, Vec<usize>)>> {
+        let Some(pool) = caches.first().and_then(|c| c.pool()).cloned() else {
+            return Ok(None);
+        };
+        let mut slots = Vec::with_capacity(caches.len());
+        for cache in caches.iter() {
+            match &cache.pooled {
+                Some(slot) if slot.pool.same(&pool) => slots.push(slot.index),
+                _ => return Ok(None),
+            }
+        }
+        let view = pool.append_one_each(&slots, keys, values)?;
+        for cache in caches.iter_mut() {
+            cache.offset += 1;
+        }
+        Ok(Some((view, slots)))
     }
 
     /// Like [`KvCache::update_and_fetch`], but returns the whole allocated buffers,
@@ -105,7 +207,12 @@ impl KvCache {
         keys: &Array,
         values: &Array,
     ) -> Result<(Array, Array)> {
-        self.write(keys, values)
+        let Some(slot) = &self.pooled else {
+            return self.write(keys, values);
+        };
+        let (pool, index) = (slot.pool.clone(), slot.index);
+        self.append(keys, values)?;
+        pool.fetch(index, None)
     }
 
     /// Writes `keys`/`values` at the offset, moves it past them and returns the buffers.
@@ -154,6 +261,9 @@ impl KvCache {
             });
         }
         self.offset -= n as i32;
+        if let Some(slot) = &self.pooled {
+            slot.pool.set_held(slot.index, self.offset);
+        }
         Ok(())
     }
 
@@ -178,9 +288,20 @@ impl KvCache {
         Ok(())
     }
 
-    /// The arrays backing the cache (for evaluation together with a step's outputs).
+    /// The arrays backing the cache (for evaluation together with a step's outputs);
+    /// none in a pool, whose owner evaluates its buffers ([`KvPool::arrays`]).
     pub fn state(&self) -> impl Iterator<Item = &Array> {
         self.keys.iter().chain(self.values.iter())
+    }
+}
+
+/// A pool holds one sequence per slot.
+fn check_pooled_batch(keys: &Array) -> Result<()> {
+    match keys.shape()[0] {
+        1 => Ok(()),
+        b => Err(ModelError::Unsupported(format!(
+            "a cache in a key/value pool holds one sequence, not a batch of {b}"
+        ))),
     }
 }
 
@@ -609,6 +730,35 @@ impl ModelCache {
             });
         }
         self.layers.iter_mut().try_for_each(|l| l.trim(n))
+    }
+
+    /// Moves every attention layer's positions into a slot of that layer's pool
+    /// (`pools[i]` for layer i; [`KvCache::join_pool`]). A batch of sequences whose
+    /// caches are pooled decodes a step with one write and one attention per layer.
+    pub fn join_pools(&mut self, pools: &[KvPool]) -> Result<()> {
+        if pools.len() != self.layers.len() {
+            return Err(ModelError::Unsupported(format!(
+                "{} key/value pools for a cache of {} layers",
+                pools.len(),
+                self.layers.len()
+            )));
+        }
+        for (layer, pool) in self.layers.iter_mut().zip(pools) {
+            if let LayerCache::Attention(kv) = layer {
+                kv.join_pool(pool)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes every attention layer's positions out of its pool ([`KvCache::leave_pool`]).
+    pub fn leave_pools(&mut self) -> Result<()> {
+        for layer in &mut self.layers {
+            if let LayerCache::Attention(kv) = layer {
+                kv.leave_pool()?;
+            }
+        }
+        Ok(())
     }
 
     pub fn state(&self) -> impl Iterator<Item = &Array> {

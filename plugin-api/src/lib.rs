@@ -14,6 +14,7 @@ pub mod cache;
 pub mod conformance;
 pub mod drafter;
 pub mod error;
+pub mod kv_pool;
 pub mod plugin;
 pub mod registry;
 pub mod target;
@@ -25,6 +26,7 @@ pub use drafter::{
     Drafter, DrafterLoadRequest, DrafterOptions, DrafterRegistration, Picked, TokenPicker,
 };
 pub use error::ModelError;
+pub use kv_pool::{KvPool, PoolView, LONGEST_POOLED};
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
 pub use target::{
     BatchRow, ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel,

@@ -28,18 +28,24 @@ pub(crate) fn op(
     }
 }
 
-/// Start/stop/stride of the whole of `shape`, except `[start, end)` on `axis`.
-fn bounds(shape: &[i32], axis: usize, start: i32, end: i32) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+/// Start and stop of the whole of `shape`, except `[start, end)` on `axis`.
+fn bounds(shape: &[i32], axis: usize, start: i32, end: i32) -> (Vec<i32>, Vec<i32>) {
     let mut starts = vec![0; shape.len()];
     let mut stops = shape.to_vec();
     starts[axis] = start;
     stops[axis] = end;
-    (starts, stops, vec![1; shape.len()])
+    (starts, stops)
 }
 
 /// `x[.., start..end, ..]` on `axis` (a view).
 pub fn slice_axis(x: &Array, axis: usize, start: i32, end: i32) -> Result<Array, Exception> {
-    let (starts, stops, strides) = bounds(x.shape(), axis, start, end);
+    let (starts, stops) = bounds(x.shape(), axis, start, end);
+    slice_region(x, &starts, &stops)
+}
+
+/// `x[starts[0]..stops[0], starts[1]..stops[1], …]` (a view).
+pub fn slice_region(x: &Array, starts: &[i32], stops: &[i32]) -> Result<Array, Exception> {
+    let strides = vec![1; starts.len()];
     let stream = Stream::thread_local_or_default();
     op("slice", |res| unsafe {
         mlx_sys::mlx_slice(
@@ -64,8 +70,20 @@ pub fn write_axis(
     axis: usize,
     start: i32,
 ) -> Result<Array, Exception> {
-    let len = update.shape()[axis];
-    let (starts, stops, strides) = bounds(dst.shape(), axis, start, start + len);
+    let mut starts = vec![0; dst.ndim()];
+    starts[axis] = start;
+    write_region(dst, update, &starts)
+}
+
+/// `dst` with `update` written from `starts` on (each axis), in place when MLX holds the
+/// only reference to `dst`.
+pub fn write_region(dst: &Array, update: &Array, starts: &[i32]) -> Result<Array, Exception> {
+    let stops: Vec<i32> = starts
+        .iter()
+        .zip(update.shape())
+        .map(|(s, len)| s + len)
+        .collect();
+    let strides = vec![1; starts.len()];
     let stream = Stream::thread_local_or_default();
     op("slice update", |res| unsafe {
         mlx_sys::mlx_slice_update(
@@ -104,5 +122,13 @@ mod tests {
         assert_eq!(&w[8..12], &[100, 101, 102, 103]);
         assert_eq!(&w[20..24], &[104, 105, 106, 107]);
         assert_eq!(&w[..8], &(0..8).collect::<Vec<_>>()[..]);
+
+        let r = slice_region(&x, &[1, 0, 2], &[2, 2, 4]).unwrap();
+        assert_eq!(r.contiguous().unwrap().as_slice::<i32>(), &[14, 15, 18, 19]);
+        let upd = Array::from_iter(200..202i32, &[1, 1, 2]);
+        let w = write_region(&x, &upd, &[1, 2, 1]).unwrap();
+        let w = w.contiguous().unwrap().as_slice::<i32>().to_vec();
+        assert_eq!(&w[20..24], &[20, 200, 201, 23]);
+        assert_eq!(&w[..20], &(0..20).collect::<Vec<_>>()[..]);
     }
 }

@@ -2,8 +2,10 @@
 //! target over every active sequence ([`TargetModel::forward_batch`]), which reads the
 //! weights once for all of them. Sequences join and leave between steps. Prompts are
 //! read in chunks within a budget of positions per step, so a long prompt never holds
-//! the others up for its whole prefill. Each sequence keeps its own cache, sampler,
-//! stop conditions and text and, with a drafter of its own, its own drafts: a step then
+//! the others up for its whole prefill. The sequences' keys and values share a pool per
+//! layer, a slot each ([`KvPool`]), so that a step of one new token per sequence writes
+//! and attends for all of them in a few graph nodes per layer. Each sequence keeps its
+//! own sampler, stop conditions and text and, with a drafter of its own, its own drafts: a step then
 //! verifies every sequence's drafts in the same forward and accepts per sequence exactly
 //! as a generation alone does (lossless, greedy and sampled). How many drafts each
 //! sequence gets follows the load ([`budget`]).
@@ -16,7 +18,7 @@ use std::time::Instant;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
 
-use dspec_plugin_api::{BatchRow, TargetModel};
+use dspec_plugin_api::{BatchRow, KvPool, TargetModel};
 use dspec_runtime::Backend;
 
 use crate::decoding::logprobs::TokenLogprob;
@@ -37,6 +39,13 @@ pub fn prefill_positions_per_step(backend: Backend) -> usize {
         Backend::Cpu => 256,
         _ => 2048,
     }
+}
+
+/// An empty key/value pool per decoder layer of `model`.
+fn fresh_pools(model: &dyn TargetModel) -> Vec<KvPool> {
+    (0..model.new_cache().num_layers())
+        .map(|_| KvPool::new())
+        .collect()
 }
 
 /// How many of the drafts offered a step verifies.
@@ -71,6 +80,8 @@ pub struct BatchDecoder<'m> {
     prefill_positions: usize,
     draft_budget: DraftBudget,
     costs: StepCosts,
+    /// Per decoder layer, where the sequences' keys and values live (a slot each).
+    pools: Vec<KvPool>,
 }
 
 /// Which of the drafts offered a step verifies.
@@ -103,6 +114,7 @@ impl<'m> BatchDecoder<'m> {
             prefill_positions: prefill_positions_per_step(Backend::current()),
             draft_budget: DraftBudget::FollowLoad,
             costs: StepCosts::default(),
+            pools: fresh_pools(model),
         }
     }
 
@@ -130,7 +142,7 @@ impl<'m> BatchDecoder<'m> {
     /// here, leaving the others untouched.
     pub fn add(&mut self, new: NewSequence) -> Result<SequenceId, EngineError> {
         let id = SequenceId(self.next_id);
-        let sequence = Sequence::new(id, self.model, new, self.max_draft)?;
+        let sequence = Sequence::new(id, self.model, new, self.max_draft, &self.pools)?;
         self.next_id += 1;
         self.sequences.push(sequence);
         Ok(id)
@@ -140,7 +152,16 @@ impl<'m> BatchDecoder<'m> {
     pub fn cancel(&mut self, id: SequenceId) -> bool {
         let before = self.sequences.len();
         self.sequences.retain(|s| s.id != id);
+        self.release_pools_when_idle();
         self.sequences.len() < before
+    }
+
+    /// With no sequence left, the pools' buffers (as long as the longest sequence they
+    /// held, for every slot) are given back.
+    fn release_pools_when_idle(&mut self) {
+        if self.sequences.is_empty() {
+            self.pools = fresh_pools(self.model);
+        }
     }
 
     /// One forward over every sequence that has something to feed: prompt chunks within
@@ -215,12 +236,15 @@ impl<'m> BatchDecoder<'m> {
                 _ => Ok(None),
             })
             .collect::<Result<_, _>>()?;
+        let pooled: Vec<Array> = self.pools.iter().flat_map(KvPool::arrays).collect();
         mlx_rs::transforms::eval(
             greedy
                 .iter()
                 .flatten()
+                .chain(&pooled)
                 .chain(self.sequences.iter().flat_map(|s| s.cache.state())),
         )?;
+        drop(pooled);
         let mut progress = Vec::new();
         let mut ended = Vec::new();
         for (i, ((row, logits), greedy)) in rows.into_iter().zip(logits).zip(greedy).enumerate() {
@@ -287,6 +311,7 @@ impl<'m> BatchDecoder<'m> {
                 p.finished = Some(Box::new(finished));
             }
         }
+        self.release_pools_when_idle();
         Ok(progress)
     }
 

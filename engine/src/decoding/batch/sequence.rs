@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use mlx_rs::Array;
 
-use dspec_plugin_api::{Drafter, ModelCache, TargetModel};
+use dspec_plugin_api::{Drafter, KvPool, ModelCache, TargetModel, LONGEST_POOLED};
 
 use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
 use crate::decoding::sampling::Sampler;
@@ -78,11 +78,15 @@ pub(super) struct Sequence {
 }
 
 impl Sequence {
+    /// A sequence whose attention layers keep their positions in `pools` (one per
+    /// layer), unless it may grow longer than a pool should, so that the batch's decode
+    /// steps write and attend for the pooled sequences at once.
     pub(super) fn new(
         id: SequenceId,
         model: &dyn TargetModel,
         new: NewSequence,
         max_draft: usize,
+        pools: &[KvPool],
     ) -> Result<Self, EngineError> {
         let NewSequence {
             prompt,
@@ -108,7 +112,11 @@ impl Sequence {
             cache.trim(read + 1 - prompt.len())?;
             read = prompt.len() - 1;
         }
-        cache.reserve_for_generation((prompt.len() + config.max_tokens).min(limit));
+        let longest = (prompt.len() + config.max_tokens).min(limit);
+        cache.reserve_for_generation(longest);
+        if longest <= LONGEST_POOLED {
+            cache.join_pools(pools)?;
+        }
         // Rounds forget rejected drafts: recurrent layers keep that many past states.
         let drafts = drafter.as_ref().is_some_and(|d| d.drafts());
         cache.set_rollback_window(if drafts { max_draft } else { 0 });
@@ -282,6 +290,8 @@ impl Sequence {
         .with_cached_prompt(self.cached_prompt);
         let drafter = self.drafter.as_ref().map_or("none", |d| d.name());
         let speculative = self.tally.into_stats(drafter, stats.decode_seconds);
+        // The cache outlives the batch (a prompt cache keeps it): out of the pools.
+        self.cache.leave_pools()?;
         let finished = Finished {
             prompt: self.prompt,
             tokens: self.tokens,
