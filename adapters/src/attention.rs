@@ -705,14 +705,12 @@ impl Attention {
             s.rope.forward_at(&q, &positions)?,
             s.rope.forward_at(&k, &positions)?,
         );
-        // Every row one new token: the rows whose caches share a pool write and attend
-        // together.
-        if lens.iter().all(|&len| len == 1) && s.softcap.is_none() {
-            if let Some(out) = self.attend_one_each(&q, &k, &v, caches)? {
-                let out = out.reshape(&[1, total, s.heads * s.head_dim])?;
-                return self.o.forward(&gated(out, gate)?);
-            }
-        }
+        // Rows of one new token whose caches share a pool write and attend together;
+        // the others (prompt chunks, verifies, caches of their own) row by row.
+        let together = self.pooled_single_rows(caches, lens);
+        let mut pooled_row = vec![false; lens.len()];
+        together.iter().for_each(|&r| pooled_row[r] = true);
+        let alone: Vec<usize> = (0..lens.len()).filter(|&r| !pooled_row[r]).collect();
         // Each row's positions split off (few graph nodes: see `split_rows`), back as one
         // sequence: `[1, heads, L, D]`.
         let as_sequence = |rows: Array| -> Result<Array> {
@@ -726,16 +724,46 @@ impl Attention {
             split_rows(&k, lens)?,
             split_rows(&v, lens)?,
         );
-        // Every row's write before any read: caches sharing a pool then update it in
-        // place, one write after the other.
+        // Every write before any read: caches sharing a pool then update it in place,
+        // one write after the other.
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset() as i32).collect();
-        for ((cache, k), v) in caches.iter_mut().zip(ks).zip(vs) {
-            cache.append(&as_sequence(k)?, &as_sequence(v)?)?;
+        for &r in &alone {
+            caches[r].append(&as_sequence(ks[r].clone())?, &as_sequence(vs[r].clone())?)?;
         }
-        let mut outs = Vec::with_capacity(lens.len());
-        for (((cache, &len), q), &offset) in caches.iter().zip(lens).zip(qs).zip(&offsets) {
-            let q = as_sequence(q)?;
-            let (keys, values) = cache.fetch()?;
+        let starts: Vec<i32> = lens
+            .iter()
+            .scan(0, |at, &len| {
+                *at += len;
+                Some(*at - len)
+            })
+            .collect();
+        // The outputs' positions, in the order the pieces come.
+        let mut order: Vec<u32> = Vec::with_capacity(total as usize);
+        let mut outs = Vec::with_capacity(alone.len() + 1);
+        if !together.is_empty() {
+            let rows: Vec<u32> = together.iter().map(|&r| starts[r] as u32).collect();
+            let rows_at = Array::from_slice(&rows, &[rows.len() as i32]);
+            let mut pooled: Vec<&mut KvCache> = Vec::with_capacity(together.len());
+            for (cache, _) in caches.iter_mut().zip(&pooled_row).filter(|(_, &p)| p) {
+                pooled.push(&mut **cache);
+            }
+            let out = self
+                .attend_pooled(
+                    &q.take_axis(&rows_at, 0)?,
+                    &k.take_axis(&rows_at, 0)?,
+                    &v.take_axis(&rows_at, 0)?,
+                    &mut pooled,
+                )?
+                .ok_or_else(|| {
+                    ModelError::Unsupported("rows chosen for one pool were not in one".into())
+                })?;
+            outs.push(out);
+            order.extend(rows);
+        }
+        for &r in &alone {
+            let (len, offset) = (lens[r], offsets[r]);
+            let q = as_sequence(qs[r].clone())?;
+            let (keys, values) = caches[r].fetch()?;
             let mask = attention_mask(offset, len, s.sliding_window)?;
             let out = if attends_position_by_position(offset, len, &mask) {
                 self.attend_each_position(&q, &keys, &values, offset)?
@@ -746,76 +774,42 @@ impl Attention {
                 1 => out,
                 _ => out.transpose_axes(&[2, 1, 0, 3])?,
             });
+            order.extend((starts[r]..starts[r] + len).map(|p| p as u32));
+        }
+        let mut out = concatenate(&outs, 0)?;
+        if order.iter().enumerate().any(|(i, &p)| i as u32 != p) {
+            let mut back = vec![0u32; order.len()];
+            for (at, &p) in order.iter().enumerate() {
+                back[p as usize] = at as u32;
+            }
+            out = out.take_axis(Array::from_slice(&back, &[total]), 0)?;
         }
         // `[T, heads, 1, D]` lies in memory as `[1, T, heads·D]`.
-        let out = concatenate(&outs, 0)?.reshape(&[1, total, s.heads * s.head_dim])?;
+        let out = out.reshape(&[1, total, s.heads * s.head_dim])?;
         self.o.forward(&gated(out, gate)?)
     }
 
-    /// Rows of one new position each (`q` `[R, heads, 1, D]`, `k`/`v` `[R, kv_heads, 1,
-    /// D]`): those whose caches share the first pooled row's pool through
-    /// [`Attention::attend_pooled`], the others (too long for the pool) one by one;
-    /// `[R, heads, 1, D]` in row order. `None` when fewer than two rows share a pool.
-    fn attend_one_each(
-        &self,
-        q: &Array,
-        k: &Array,
-        v: &Array,
-        caches: &mut [&mut KvCache],
-    ) -> Result<Option<Array>> {
-        let Some(pool) = caches.iter().find_map(|c| c.pool()).cloned() else {
-            return Ok(None);
-        };
-        let in_pool: Vec<bool> = caches
-            .iter()
-            .map(|c| c.pool().is_some_and(|p| p.same(&pool)))
-            .collect();
-        let pooled_rows: Vec<u32> = (0..caches.len() as u32)
-            .filter(|&r| in_pool[r as usize])
-            .collect();
-        if pooled_rows.len() < 2 {
-            return Ok(None);
+    /// The rows of one new token whose caches are in the pool of the first such row,
+    /// when there are at least two of them and the layer's attention can run over a pool
+    /// (not with score softcapping); otherwise none.
+    fn pooled_single_rows(&self, caches: &[&mut KvCache], lens: &[i32]) -> Vec<usize> {
+        if self.spec.softcap.is_some() {
+            return Vec::new();
         }
-        if pooled_rows.len() == caches.len() {
-            return self.attend_pooled(q, k, v, caches);
-        }
-        let rows = Array::from_slice(&pooled_rows, &[pooled_rows.len() as i32]);
-        let (mut pooled, mut others): (Vec<&mut KvCache>, Vec<&mut KvCache>) =
-            (Vec::new(), Vec::new());
-        for (cache, &p) in caches.iter_mut().zip(&in_pool) {
-            match p {
-                true => pooled.push(&mut **cache),
-                false => others.push(&mut **cache),
-            }
-        }
-        let Some(together) = self.attend_pooled(
-            &q.take_axis(&rows, 0)?,
-            &k.take_axis(&rows, 0)?,
-            &v.take_axis(&rows, 0)?,
-            &mut pooled,
-        )?
+        let single = |r: usize| lens[r] == 1;
+        let Some(pool) = (0..caches.len())
+            .filter(|&r| single(r))
+            .find_map(|r| caches[r].pool())
         else {
-            return Ok(None);
+            return Vec::new();
         };
-        // The others alone, then every row back in its place.
-        let mut outs = vec![together];
-        let mut order = pooled_rows;
-        for (r, cache) in (0..in_pool.len()).filter(|&r| !in_pool[r]).zip(&mut others) {
-            let row = |a: &Array| slice_axis(a, 0, r as i32, r as i32 + 1);
-            let offset = cache.offset() as i32;
-            let (keys, values) = cache.update_and_fetch(&row(k)?, &row(v)?)?;
-            let mask = attention_mask(offset, 1, self.spec.sliding_window)?;
-            outs.push(self.attend(&row(q)?, &keys, &values, &mask)?);
-            order.push(r as u32);
+        let rows: Vec<usize> = (0..caches.len())
+            .filter(|&r| single(r) && caches[r].pool().is_some_and(|p| p.same(pool)))
+            .collect();
+        match rows.len() {
+            0 | 1 => Vec::new(),
+            _ => rows,
         }
-        let mut back = vec![0u32; order.len()];
-        for (at, &r) in order.iter().enumerate() {
-            back[r as usize] = at as u32;
-        }
-        Ok(Some(concatenate(&outs, 0)?.take_axis(
-            Array::from_slice(&back, &[back.len() as i32]),
-            0,
-        )?))
     }
 
     /// Rows of one new position each (`q` `[R, heads, 1, D]`, `k`/`v` `[R, kv_heads,

@@ -278,7 +278,10 @@ mod tests {
             let runs = [
                 ("together", run(model.as_ref(), true, 0)),
                 ("together, pooled", run(model.as_ref(), true, 3)),
-                ("together, two of three pooled", run(model.as_ref(), true, 2)),
+                (
+                    "together, two of three pooled",
+                    run(model.as_ref(), true, 2),
+                ),
                 ("alone, pooled", run(model.as_ref(), false, 3)),
             ];
             for (i, (how, t, a)) in runs
