@@ -51,14 +51,15 @@ pub(super) struct StepCosts {
 impl StepCosts {
     /// A step of `positions` took `seconds`, and fed what `fed` says.
     pub(super) fn observe(&mut self, positions: usize, seconds: f64, fed: StepFed) {
-        self.fit.observe(positions as f64, seconds);
         self.steps += 1;
         let (tokens, drafted) = match fed {
-            // Reading prompts is most of such a step: it says nothing about drafts.
+            // Reading prompts is most of such a step: it says nothing about drafts, and
+            // a prompt's positions cost what a long forward's do, not a verify's.
             StepFed::Prompts => return,
             StepFed::Drafts { committed } => (committed, true),
             StepFed::Plain { committed } => (committed, false),
         };
+        self.fit.observe(positions as f64, seconds);
         for (t, s) in [&mut self.drafted, &mut self.plain] {
             *t *= THROUGHPUT_DECAY;
             *s *= THROUGHPUT_DECAY;
@@ -190,7 +191,8 @@ mod tests {
         assert!(granted[1] < 3, "{granted:?}");
     }
 
-    /// The cost model: a guess for positions until widths vary, then the fitted line.
+    /// The cost model: a guess for positions until widths vary, then the fitted line of
+    /// decoding steps; steps that read prompts leave it alone.
     #[test]
     fn step_costs_learn_what_a_position_costs() {
         let mut costs = StepCosts::default();
@@ -205,6 +207,10 @@ mod tests {
         let (fixed, per_position) = costs.model().expect("a model");
         assert!((per_position - 0.001).abs() < 3e-4, "{per_position}");
         assert!(fixed > 0.0 && fixed < 0.008, "{fixed}");
+        for _ in 0..20 {
+            costs.observe(260, 1.5, StepFed::Prompts);
+        }
+        assert_eq!(costs.model(), Some((fixed, per_position)));
     }
 
     /// Steps with drafts that commit fewer tokens per second than plain steps stop drafts

@@ -322,6 +322,9 @@ impl<'m> BatchDecoder<'m> {
         let mut budget = self.prefill_positions;
         let mut rows = Vec::with_capacity(self.sequences.len());
         let mut offered: Vec<(usize, Vec<u32>, f64)> = Vec::new();
+        // The decode rows' positions: drafts are weighed against the step's decoding
+        // alone, without the prompt chunks it also reads (their time would make any
+        // draft look cheap next to the step's rate).
         let mut positions = 0;
         // Where this step verifies no drafts, a drafter is asked for one only: its guess,
         // checked against the step's token.
@@ -338,7 +341,6 @@ impl<'m> BatchDecoder<'m> {
             if left > 0 {
                 let n = left.min(budget);
                 budget -= n;
-                positions += n;
                 rows.push((n > 0).then_some(Row::Prompt(n)));
                 continue;
             }
@@ -374,10 +376,7 @@ impl<'m> BatchDecoder<'m> {
         let granted = match grant {
             Grant::All => offers.iter().map(|o| o.available).collect(),
             Grant::None => vec![0; offers.len()],
-            Grant::ByCost(costs) => {
-                let decoding = rows.iter().filter(|r| matches!(r, Some(Row::Decode(..))));
-                allocate(&offers, positions, decoding.count() as f64, costs)
-            }
+            Grant::ByCost(costs) => allocate(&offers, positions, positions as f64, costs),
         };
         for ((i, mut tokens, _), k) in offered.into_iter().zip(granted) {
             let guess = (k == 0).then(|| tokens.first().copied()).flatten();
