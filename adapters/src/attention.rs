@@ -830,11 +830,7 @@ impl Attention {
             return Ok(None);
         };
         let count = view.lengths.len() as i32;
-        let mut row_of = vec![0u32; count as usize];
-        for (row, &slot) in slots.iter().enumerate() {
-            row_of[slot] = row as u32;
-        }
-        let q = q.take_axis(Array::from_slice(&row_of, &[count]), 0)?;
+        let q = q.take_axis(&view.rows, 0)?;
         // Keys past the longest slot's are never visible: attention reads only up to
         // there (rounded up, so that the shapes repeat for a while).
         let longest = view.lengths.iter().copied().max().unwrap_or(1);

@@ -38,6 +38,12 @@ impl Server {
     }
 
     /// `dspec serve` on the model directory `model`, served as "tiny".
+    /// The real SmolLM2-135M served with n-gram drafts and `extra` flags.
+    fn start_smollm2(extra: &[&str]) -> Server {
+        let (_, model) = common::fetch_real_model("smollm2");
+        Self::start_model(model.to_str().expect("utf-8 path"), None, "ngram", extra)
+    }
+
     fn start_model(
         model: &str,
         dir: Option<tempfile::TempDir>,
@@ -661,13 +667,7 @@ fn openai_client(server: &Server, script: &str, args: &[&str]) -> Value {
 /// with n-gram speculation.
 #[test]
 fn the_openai_client_talks_to_dspec_serve_on_a_real_model() {
-    let (_, model) = common::fetch_real_model("smollm2");
-    let server = Server::start_model(
-        model.to_str().expect("utf-8 path"),
-        None,
-        "ngram",
-        &["--max-draft", "4"],
-    );
+    let server = Server::start_smollm2(&["--max-draft", "4"]);
     let got = openai_client(&server, OPENAI_CLIENT_SCRIPT, &[]);
     assert_eq!(got["models"], json!(["tiny"]));
     let chat = got["chat"].as_str().expect("chat text");
@@ -1525,13 +1525,7 @@ print(json.dumps({"alone": alone, "together": together}))
 /// once get the texts they get one at a time.
 #[test]
 fn eight_openai_clients_at_once_get_what_they_get_one_at_a_time_on_a_real_model() {
-    let (_, model) = common::fetch_real_model("smollm2");
-    let server = Server::start_model(
-        model.to_str().expect("utf-8 path"),
-        None,
-        "ngram",
-        &["--max-batch", "8"],
-    );
+    let server = Server::start_smollm2(&["--max-batch", "8"]);
     server.wait_for_log("(batch 8,");
     let got = openai_client(&server, OPENAI_CONCURRENT_SCRIPT, &[]);
     let alone = got["alone"].as_array().expect("texts");

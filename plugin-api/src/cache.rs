@@ -27,7 +27,7 @@ use dspec_runtime::Backend;
 /// of 256 to cuDNN, with a plan built per buffer length; with 255 one-token attention
 /// always takes MLX's own vector kernel (why plans per shape matter:
 /// docs/benchmarks.md, "Where the time goes on CUDA").
-const GROWTH_STEP: i32 = 255;
+pub(crate) const GROWTH_STEP: i32 = 255;
 
 /// Longest continuation of a cached sequence that attends over the whole cache buffer;
 /// shorter ones run padded to it, so that a backend that builds a plan per query length
@@ -239,15 +239,10 @@ impl KvCache {
     /// tokens. The price is up to twice the memory the positions need.
     pub fn capacity_for(&self, end: usize) -> usize {
         let current = self.capacity();
-        if end <= current {
-            return current;
+        match end <= current {
+            true => current,
+            false => grown_capacity(current, end.max(self.reserved)),
         }
-        let end = end.max(self.reserved);
-        let mut capacity = (current.max(GROWTH_STEP as usize)).max(1);
-        while capacity < end {
-            capacity *= 2;
-        }
-        capacity
     }
 
     /// Forgets the last `n` positions; asking for more than the cache holds is an error
@@ -293,6 +288,19 @@ impl KvCache {
     pub fn state(&self) -> impl Iterator<Item = &Array> {
         self.keys.iter().chain(self.values.iter())
     }
+}
+
+/// The buffer length that holds `end` positions, grown from `current` the way every
+/// key/value buffer grows: unchanged when it already does, else `GROWTH_STEP · 2^n`.
+pub(crate) fn grown_capacity(current: usize, end: usize) -> usize {
+    if end <= current {
+        return current;
+    }
+    let mut capacity = current.max(GROWTH_STEP as usize);
+    while capacity < end {
+        capacity *= 2;
+    }
+    capacity
 }
 
 /// A pool holds one sequence per slot.

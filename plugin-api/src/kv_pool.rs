@@ -15,6 +15,7 @@ use mlx_rs::ops::indexing::put_along_axis;
 use mlx_rs::ops::{broadcast_to, concatenate, zeros_dtype};
 use mlx_rs::Array;
 
+use crate::cache::{grown_capacity, GROWTH_STEP};
 use crate::error::{ModelError, Result};
 use dspec_runtime::slicing::{slice_region, write_region};
 
@@ -44,9 +45,6 @@ impl Drop for PoolSlot {
         self.pool.lock().held[self.index] = None;
     }
 }
-
-/// Positions a pool's buffers grow by at least (their length only ever doubles after).
-const GROWTH_STEP: i32 = 255;
 
 /// The longest sequence that should join a pool: every slot is as long as the longest
 /// sequence's, so one long sequence would make every slot long. Longer ones keep caches
@@ -156,12 +154,12 @@ impl KvPool {
         let count = b.held.len();
         // Every slot gets a row written: those not in this step get a copy of row 0 at
         // their first unheld position, which they overwrite when they next write.
-        let mut source = vec![0u32; count];
+        let mut rows = vec![0u32; count];
         for (row, &slot) in slots.iter().enumerate() {
-            source[slot] = row as u32;
+            rows[slot] = row as u32;
         }
         let at: Vec<i32> = b.held.iter().map(|h| h.unwrap_or(0)).collect();
-        let source = Array::from_slice(&source, &[count as i32]);
+        let source = Array::from_slice(&rows, &[count as i32]);
         let (k, v) = b.buffers()?;
         let s = k.shape().to_vec();
         let index = broadcast_to(
@@ -189,6 +187,7 @@ impl KvPool {
             keys: k,
             values: v,
             lengths,
+            rows: source,
         })
     }
 }
@@ -200,6 +199,9 @@ pub struct PoolView {
     pub values: Array,
     /// Per slot, the positions that are valid.
     pub lengths: Vec<i32>,
+    /// Per slot, the row of the written keys it took (`[slots]` u32; slots not in the
+    /// write took row 0): the same gather lays out the queries slot by slot.
+    pub rows: Array,
 }
 
 impl Buffers {
@@ -221,10 +223,7 @@ impl Buffers {
             Some(k) => (k.shape()[0], k.shape()[2]),
             None => (0, 0),
         };
-        let mut new_capacity = capacity.max(GROWTH_STEP);
-        while new_capacity < end {
-            new_capacity *= 2;
-        }
+        let new_capacity = grown_capacity(capacity as usize, end as usize) as i32;
         if rows == slots && new_capacity == capacity {
             return Ok(());
         }
