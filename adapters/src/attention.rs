@@ -164,6 +164,11 @@ fn attends_position_by_position(offset: i32, len: i32, mask: &Mask) -> bool {
 /// multiples of this many, up to the longest sequence's.
 const POOL_READ_STEP: i32 = 64;
 
+/// The longest row a batched step attends over a key/value pool with the others (a new
+/// token and its drafts): the pooled attention runs once per position of the longest
+/// row, so longer rows (prompt chunks) attend on their own.
+const POOLED_ROW_MAX: i32 = 16;
+
 /// MLX splits an array into up to this many pieces with one graph node (and into more
 /// with a slice each).
 const PIECES_PER_SPLIT: usize = 10;
@@ -705,12 +710,19 @@ impl Attention {
             s.rope.forward_at(&q, &positions)?,
             s.rope.forward_at(&k, &positions)?,
         );
-        // Rows of one new token whose caches share a pool write and attend together;
-        // the others (prompt chunks, verifies, caches of their own) row by row.
-        let together = self.pooled_single_rows(caches, lens);
+        // Decoding rows (a new token, with any drafts) whose caches share a pool write
+        // and attend together; the others (prompt chunks, caches of their own) row by row.
+        let together = self.pooled_rows(caches, lens);
         let mut pooled_row = vec![false; lens.len()];
         together.iter().for_each(|&r| pooled_row[r] = true);
         let alone: Vec<usize> = (0..lens.len()).filter(|&r| !pooled_row[r]).collect();
+        let starts: Vec<i32> = lens
+            .iter()
+            .scan(0, |at, &len| {
+                *at += len;
+                Some(*at - len)
+            })
+            .collect();
         // Each row's positions split off (few graph nodes: see `split_rows`), back as one
         // sequence: `[1, heads, L, D]`.
         let as_sequence = |rows: Array| -> Result<Array> {
@@ -719,46 +731,37 @@ impl Attention {
                 _ => rows.transpose_axes(&[2, 1, 0, 3])?,
             })
         };
-        let (qs, ks, vs) = (
-            split_rows(&q, lens)?,
-            split_rows(&k, lens)?,
-            split_rows(&v, lens)?,
-        );
         // Every write before any read: caches sharing a pool then update it in place,
-        // one write after the other.
+        // one write after the other, and every read sees the last.
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset() as i32).collect();
+        let (qs, ks, vs) = match alone.is_empty() {
+            true => (Vec::new(), Vec::new(), Vec::new()),
+            false => (
+                split_rows(&q, lens)?,
+                split_rows(&k, lens)?,
+                split_rows(&v, lens)?,
+            ),
+        };
         for &r in &alone {
             caches[r].append(&as_sequence(ks[r].clone())?, &as_sequence(vs[r].clone())?)?;
         }
-        let starts: Vec<i32> = lens
-            .iter()
-            .scan(0, |at, &len| {
-                *at += len;
-                Some(*at - len)
-            })
-            .collect();
         // The outputs' positions, in the order the pieces come.
         let mut order: Vec<u32> = Vec::with_capacity(total as usize);
         let mut outs = Vec::with_capacity(alone.len() + 1);
         if !together.is_empty() {
-            let rows: Vec<u32> = together.iter().map(|&r| starts[r] as u32).collect();
-            let rows_at = Array::from_slice(&rows, &[rows.len() as i32]);
             let mut pooled: Vec<&mut KvCache> = Vec::with_capacity(together.len());
             for (cache, _) in caches.iter_mut().zip(&pooled_row).filter(|(_, &p)| p) {
                 pooled.push(&mut **cache);
             }
-            let out = self
-                .attend_pooled(
-                    &q.take_axis(&rows_at, 0)?,
-                    &k.take_axis(&rows_at, 0)?,
-                    &v.take_axis(&rows_at, 0)?,
-                    &mut pooled,
-                )?
+            let row_starts: Vec<i32> = together.iter().map(|&r| starts[r]).collect();
+            let row_lens: Vec<i32> = together.iter().map(|&r| lens[r]).collect();
+            let (out, positions) = self
+                .attend_pooled(&q, &k, &v, &mut pooled, &row_starts, &row_lens)?
                 .ok_or_else(|| {
                     ModelError::Unsupported("rows chosen for one pool were not in one".into())
                 })?;
             outs.push(out);
-            order.extend(rows);
+            order.extend(positions);
         }
         for &r in &alone {
             let (len, offset) = (lens[r], offsets[r]);
@@ -789,22 +792,23 @@ impl Attention {
         self.o.forward(&gated(out, gate)?)
     }
 
-    /// The rows of one new token whose caches are in the pool of the first such row,
-    /// when there are at least two of them and the layer's attention can run over a pool
-    /// (not with score softcapping); otherwise none.
-    fn pooled_single_rows(&self, caches: &[&mut KvCache], lens: &[i32]) -> Vec<usize> {
+    /// The rows of at most [`POOLED_ROW_MAX`] positions (a new token and its drafts)
+    /// whose caches are in the pool of the first such row, when there are at least two
+    /// of them and the layer's attention can run over a pool (not with score
+    /// softcapping); otherwise none.
+    fn pooled_rows(&self, caches: &[&mut KvCache], lens: &[i32]) -> Vec<usize> {
         if self.spec.softcap.is_some() {
             return Vec::new();
         }
-        let single = |r: usize| lens[r] == 1;
+        let short = |r: usize| lens[r] <= POOLED_ROW_MAX;
         let Some(pool) = (0..caches.len())
-            .filter(|&r| single(r))
+            .filter(|&r| short(r))
             .find_map(|r| caches[r].pool())
         else {
             return Vec::new();
         };
         let rows: Vec<usize> = (0..caches.len())
-            .filter(|&r| single(r) && caches[r].pool().is_some_and(|p| p.same(pool)))
+            .filter(|&r| short(r) && caches[r].pool().is_some_and(|p| p.same(pool)))
             .collect();
         match rows.len() {
             0 | 1 => Vec::new(),
@@ -812,54 +816,83 @@ impl Attention {
         }
     }
 
-    /// Rows of one new position each (`q` `[R, heads, 1, D]`, `k`/`v` `[R, kv_heads,
-    /// 1, D]`), their caches all in one pool: every row's keys and values written in
-    /// one graph node per buffer, and one attention over the pool's whole buffers, each
-    /// slot's query seeing its own valid positions. Slots not in this step attend too,
-    /// for nothing (one query row each). `[R, heads, 1, D]`, or `None` when the caches
-    /// are not in one pool.
+    /// Rows whose caches are all in one pool (`q` `[T, heads, 1, D]`, `k`/`v` `[T,
+    /// kv_heads, 1, D]`, one position a row; cache r's `lens[r]` positions from row
+    /// `starts[r]` on): every row's keys and values written in a few graph nodes per
+    /// buffer, then one attention over the pool's whole buffers per position of the
+    /// longest row, the j-th positions of every row together, each slot's query seeing
+    /// its own positions up to its own (so each position computes as a one-token step
+    /// over the pool does). Slots without a j-th position attend too, for nothing (one
+    /// query each). The outputs `[P, heads, 1, D]` and the rows of `q` they belong to,
+    /// in their order; `None` when the caches are not in one pool.
     fn attend_pooled(
         &self,
         q: &Array,
         k: &Array,
         v: &Array,
         caches: &mut [&mut KvCache],
-    ) -> Result<Option<Array>> {
+        starts: &[i32],
+        lens: &[i32],
+    ) -> Result<Option<(Array, Vec<u32>)>> {
         let s = &self.spec;
-        let Some((view, slots)) = KvCache::append_one_each(caches, k, v)? else {
+        let Some((view, slots)) = KvCache::append_each(caches, k, v, starts, lens)? else {
             return Ok(None);
         };
-        let count = view.lengths.len() as i32;
-        let q = q.take_axis(&view.rows, 0)?;
-        // Keys past the longest slot's are never visible: attention reads only up to
-        // there (rounded up, so that the shapes repeat for a while).
-        let longest = view.lengths.iter().copied().max().unwrap_or(1);
-        let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
-        let used = used.min(view.keys.shape()[2]);
-        let (pool_keys, pool_values) = (
-            slice_axis(&view.keys, 2, 0, used)?,
-            slice_axis(&view.values, 2, 0, used)?,
-        );
-        let keys = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, used])?;
-        let lengths = Array::from_slice(&view.lengths, &[count, 1, 1, 1]);
-        let mut visible = keys.lt(&lengths)?;
-        if let Some(w) = s.sliding_window {
-            // The query is at `length − 1`: keys less than `w` before it.
-            visible = visible.logical_and(&keys.gt(lengths.subtract(Array::from_int(w + 1))?)?)?;
+        let count = view.lengths.len();
+        // Per slot, the row of `q` its first new position is at.
+        let mut first = vec![0i32; count];
+        for (&slot, &start) in slots.iter().zip(starts) {
+            first[slot] = start;
         }
-        let out = scaled_dot_product_attention(
-            &q,
-            &pool_keys,
-            &pool_values,
-            s.scale,
-            Some(ScaledDotProductAttentionMask::Array(&visible)),
-            None,
-        )?;
-        let slots: Vec<u32> = slots.iter().map(|&slot| slot as u32).collect();
-        Ok(Some(out.take_axis(
-            Array::from_slice(&slots, &[slots.len() as i32]),
-            0,
-        )?))
+        let capacity = view.keys.shape()[2];
+        let widest = lens.iter().copied().max().unwrap_or(1);
+        let mut outs = Vec::with_capacity(widest as usize);
+        let mut order = Vec::new();
+        for j in 0..widest {
+            // Slots with a j-th new position: its query, and the keys up to it.
+            let mut source = vec![0u32; count];
+            let mut lengths = vec![1i32; count];
+            let mut taking = Vec::new();
+            for slot in (0..count).filter(|&slot| j < view.written[slot]) {
+                source[slot] = (first[slot] + j) as u32;
+                lengths[slot] = view.lengths[slot] - view.written[slot] + j + 1;
+                taking.push(slot as u32);
+            }
+            order.extend(taking.iter().map(|&slot| source[slot as usize]));
+            let queries = q.take_axis(Array::from_slice(&source, &[count as i32]), 0)?;
+            // Keys past the longest slot's are never visible: attention reads only up
+            // to there (rounded up, so that the shapes repeat for a while).
+            let longest = lengths.iter().copied().max().unwrap_or(1);
+            let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
+            let used = used.min(capacity);
+            let (pool_keys, pool_values) = (
+                slice_axis(&view.keys, 2, 0, used)?,
+                slice_axis(&view.values, 2, 0, used)?,
+            );
+            let keys = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, used])?;
+            let lengths = Array::from_slice(&lengths, &[count as i32, 1, 1, 1]);
+            let mut visible = keys.lt(&lengths)?;
+            if let Some(w) = s.sliding_window {
+                // The query is at `length − 1`: keys less than `w` before it.
+                visible =
+                    visible.logical_and(&keys.gt(lengths.subtract(Array::from_int(w + 1))?)?)?;
+            }
+            let out = scaled_dot_product_attention(
+                &queries,
+                &pool_keys,
+                &pool_values,
+                s.scale,
+                Some(ScaledDotProductAttentionMask::Array(&visible)),
+                None,
+            )?;
+            let len = taking.len() as i32;
+            outs.push(out.take_axis(Array::from_slice(&taking, &[len]), 0)?);
+        }
+        let out = match outs.len() {
+            1 => outs.pop().expect("one piece"),
+            _ => concatenate(&outs, 0)?,
+        };
+        Ok(Some((out, order)))
     }
 
     /// Whether dspec's CUDA attention kernel takes this forward of `q` over

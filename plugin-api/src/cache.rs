@@ -152,8 +152,16 @@ impl KvCache {
     }
 
     /// Takes this cache's positions out of its pool into buffers of its own (a copy
-    /// of what it holds) and frees the slot; nothing to do outside a pool.
+    /// of what it holds, made now) and frees the slot; nothing to do outside a pool.
     pub fn leave_pool(&mut self) -> Result<()> {
+        self.copy_out_of_pool()?;
+        Ok(mlx_rs::transforms::eval(self.state())?)
+    }
+
+    /// [`KvCache::leave_pool`] with the copy left to the next evaluation. Until then the
+    /// copy refers to the pool's buffers, and the pool's next write, finding them
+    /// shared, copies every slot instead of writing in place: evaluate before it.
+    fn copy_out_of_pool(&mut self) -> Result<()> {
         let Some(slot) = self.pooled.take() else {
             return Ok(());
         };
@@ -172,14 +180,17 @@ impl KvCache {
         self.pooled.as_ref().map(|s| &s.pool)
     }
 
-    /// Writes one new position for each of `caches` (all in one pool; `keys`/`values`
-    /// `[R, H, 1, D]`, row r for cache r) in a few graph nodes, and returns the pool's
-    /// whole buffers with each slot's valid length, for one attention over every slot.
-    /// `None` when the caches are not all in one pool (nothing is written then).
-    pub fn append_one_each(
+    /// Writes `lens[r]` new positions for each of `caches[r]` (all in one pool;
+    /// `keys`/`values` `[T, H, 1, D]`, one position a row, cache r's from row
+    /// `starts[r]` on) in a few graph nodes, and returns the pool's whole buffers with
+    /// what each slot holds, for attention over every slot at once, and each cache's
+    /// slot. `None` when the caches are not all in one pool (nothing is written then).
+    pub fn append_each(
         caches: &mut [&mut KvCache],
         keys: &Array,
         values: &Array,
+        starts: &[i32],
+        lens: &[i32],
     ) -> Result<Option<(PoolView, Vec<usize>)>> {
         let Some(pool) = caches.first().and_then(|c| c.pool()).cloned() else {
             return Ok(None);
@@ -191,9 +202,9 @@ impl KvCache {
                 _ => return Ok(None),
             }
         }
-        let view = pool.append_one_each(&slots, keys, values)?;
-        for cache in caches.iter_mut() {
-            cache.offset += 1;
+        let view = pool.append_each(&slots, starts, lens, keys, values)?;
+        for (cache, &len) in caches.iter_mut().zip(lens) {
+            cache.offset += len;
         }
         Ok(Some((view, slots)))
     }
@@ -759,14 +770,15 @@ impl ModelCache {
         Ok(())
     }
 
-    /// Takes every attention layer's positions out of its pool ([`KvCache::leave_pool`]).
+    /// Takes every attention layer's positions out of its pool ([`KvCache::leave_pool`]),
+    /// the copies made in one evaluation.
     pub fn leave_pools(&mut self) -> Result<()> {
         for layer in &mut self.layers {
             if let LayerCache::Attention(kv) = layer {
-                kv.leave_pool()?;
+                kv.copy_out_of_pool()?;
             }
         }
-        Ok(())
+        Ok(mlx_rs::transforms::eval(self.state())?)
     }
 
     pub fn state(&self) -> impl Iterator<Item = &Array> {

@@ -32,6 +32,8 @@ struct Buffers {
     values: Option<Array>,
     /// Per slot: the positions its sequence holds, or `None` while the slot is free.
     held: Vec<Option<i32>>,
+    /// Positions every slot gets room for at the next allocation ([`KvPool::reserve`]).
+    reserved: i32,
 }
 
 /// A sequence's place in a pool; dropping it frees the slot.
@@ -80,6 +82,14 @@ impl KvPool {
             pool: self.clone(),
             index,
         }
+    }
+
+    /// Makes the next write give every slot room for `positions`, so that the buffers
+    /// grow when a sequence joins (its prompt being read) rather than amid decoding,
+    /// where growing copies every slot and holds every sequence up for that step.
+    pub fn reserve(&self, positions: usize) {
+        let mut b = self.lock();
+        b.reserved = b.reserved.max(positions.min(i32::MAX as usize) as i32);
     }
 
     /// Slots, free ones included.
@@ -139,55 +149,73 @@ impl KvPool {
         self.lock().held[slot] = Some(positions);
     }
 
-    /// Writes one position for each of `slots` (`keys`/`values`: `[R, kv_heads, 1,
-    /// head_dim]`, row r for `slots[r]`) in two graph nodes per buffer, and returns the
-    /// whole buffers with each slot's length after the write (free slots: 1, stale).
-    pub(crate) fn append_one_each(
+    /// Writes `lens[r]` positions for each of `slots` (`keys`/`values`: `[T, kv_heads,
+    /// 1, head_dim]`, one position a row; slot `slots[r]`'s at rows `starts[r]..`) in a
+    /// few graph nodes per buffer, and returns the whole buffers with what each slot
+    /// holds after the write.
+    pub(crate) fn append_each(
         &self,
         slots: &[usize],
+        starts: &[i32],
+        lens: &[i32],
         keys: &Array,
         values: &Array,
     ) -> Result<PoolView> {
         let mut b = self.lock();
-        let needed = b.held.iter().flatten().copied().max().unwrap_or(0) + 1;
+        let widest = lens.iter().copied().max().unwrap_or(1).max(1);
+        let needed = b.held.iter().flatten().copied().max().unwrap_or(0) + widest;
         b.make_room(keys, needed)?;
         let count = b.held.len();
-        // Every slot gets a row written: those not in this step get a copy of row 0 at
-        // their first unheld position, which they overwrite when they next write.
-        let mut rows = vec![0u32; count];
-        for (row, &slot) in slots.iter().enumerate() {
-            rows[slot] = row as u32;
+        // Every slot gets `widest` positions written from its first unheld one: a slot's
+        // own rows, its last row repeated past them, and for slots not in this write
+        // copies of row 0; all past what the slot holds, so overwritten when it next
+        // writes and never read before.
+        let mut written = vec![0i32; count];
+        let mut source = vec![0u32; count * widest as usize];
+        for ((&slot, &start), &len) in slots.iter().zip(starts).zip(lens) {
+            written[slot] = len;
+            for j in 0..widest {
+                source[slot * widest as usize + j as usize] = (start + j.min(len - 1)) as u32;
+            }
         }
-        let at: Vec<i32> = b.held.iter().map(|h| h.unwrap_or(0)).collect();
-        let source = Array::from_slice(&rows, &[count as i32]);
+        let at: Vec<i32> = b
+            .held
+            .iter()
+            .flat_map(|h| {
+                let from = h.unwrap_or(0);
+                (from..from + widest).collect::<Vec<_>>()
+            })
+            .collect();
         let (k, v) = b.buffers()?;
         let s = k.shape().to_vec();
+        let shape = [count as i32, s[1], widest, s[3]];
         let index = broadcast_to(
-            Array::from_slice(&at, &[count as i32, 1, 1, 1]),
-            &[count as i32, s[1], 1, s[3]],
+            Array::from_slice(&at, &[count as i32, 1, widest, 1]),
+            &shape,
         )?;
+        let source = Array::from_slice(&source, &[count as i32 * widest]);
         let write = |buffer: &Array, rows: &Array| -> Result<Array> {
-            Ok(put_along_axis(
-                buffer,
-                &index,
-                rows.take_axis(&source, 0)?,
-                2,
-            )?)
+            // `[count·widest, kv_heads, 1, D]` → `[count, kv_heads, widest, D]`.
+            let rows = rows
+                .take_axis(&source, 0)?
+                .reshape(&[count as i32, widest, s[1], s[3]])?
+                .transpose_axes(&[0, 2, 1, 3])?;
+            Ok(put_along_axis(buffer, &index, &rows, 2)?)
         };
         let (k, v) = (write(k, keys)?, write(v, values)?);
         b.keys = Some(k.clone());
         b.values = Some(v.clone());
-        for &slot in slots {
+        for (&slot, &len) in slots.iter().zip(lens) {
             if let Some(h) = b.held[slot].as_mut() {
-                *h += 1;
+                *h += len;
             }
         }
-        let lengths = b.held.iter().map(|h| h.unwrap_or(1)).collect();
+        let lengths = b.held.iter().map(|h| h.unwrap_or(0)).collect();
         Ok(PoolView {
             keys: k,
             values: v,
             lengths,
-            rows: source,
+            written,
         })
     }
 }
@@ -197,11 +225,10 @@ pub struct PoolView {
     /// `[slots, kv_heads, capacity, head_dim]`.
     pub keys: Array,
     pub values: Array,
-    /// Per slot, the positions that are valid.
+    /// Per slot, the positions that are valid (free slots: 0).
     pub lengths: Vec<i32>,
-    /// Per slot, the row of the written keys it took (`[slots]` u32; slots not in the
-    /// write took row 0): the same gather lays out the queries slot by slot.
-    pub rows: Array,
+    /// Per slot, the positions this write added (slots not in it: 0).
+    pub written: Vec<i32>,
 }
 
 impl Buffers {
@@ -223,6 +250,7 @@ impl Buffers {
             Some(k) => (k.shape()[0], k.shape()[2]),
             None => (0, 0),
         };
+        let end = end.max(self.reserved);
         let new_capacity = grown_capacity(capacity as usize, end as usize) as i32;
         if rows == slots && new_capacity == capacity {
             return Ok(());
@@ -267,8 +295,8 @@ mod tests {
     }
 
     /// Caches in a pool hold what caches of their own hold, through writes of several
-    /// lengths, trims, growth past the first allocation and one-position writes for
-    /// all of them at once; leaving the pool keeps the positions.
+    /// lengths, trims, growth past the first allocation and writes of one and of several
+    /// positions for all of them at once; leaving the pool keeps the positions.
     #[test]
     fn pooled_caches_hold_what_caches_of_their_own_hold() {
         let pool = KvPool::new();
@@ -298,12 +326,29 @@ mod tests {
         let rows: Vec<Array> = (0..3).map(|i| kv(1, 1000 + i)).collect();
         let keys = concatenate(&rows, 0).unwrap();
         let mut refs: Vec<&mut KvCache> = pooled.iter_mut().collect();
-        let (view, slots) = KvCache::append_one_each(&mut refs, &keys, &keys)
+        let (view, slots) = KvCache::append_each(&mut refs, &keys, &keys, &[0, 1, 2], &[1; 3])
             .unwrap()
             .expect("one pool");
         for ((o, row), &slot) in own.iter_mut().zip(&rows).zip(&slots) {
             o.update_and_fetch(row, row).unwrap();
             assert_eq!(view.lengths[slot] as usize, o.offset());
+        }
+        // Then 3, 1 and 2 positions, in one write.
+        let lens = [3, 1, 2];
+        let rows: Vec<Array> = (0..6).map(|i| kv(1, 2000 + i)).collect();
+        let keys = concatenate(&rows, 0).unwrap();
+        let mut refs: Vec<&mut KvCache> = pooled.iter_mut().collect();
+        let (view, slots) = KvCache::append_each(&mut refs, &keys, &keys, &[0, 3, 4], &lens)
+            .unwrap()
+            .expect("one pool");
+        let mut at = 0;
+        for ((o, len), &slot) in own.iter_mut().zip(lens).zip(&slots) {
+            // `[len, H, 1, D]` rows as one sequence `[1, H, len, D]`.
+            let mine = concatenate(&rows[at..at + len as usize], 2).unwrap();
+            at += len as usize;
+            o.update_and_fetch(&mine, &mine).unwrap();
+            assert_eq!(view.lengths[slot] as usize, o.offset());
+            assert_eq!(view.written[slot], len);
         }
         for (p, o) in pooled.iter_mut().zip(&own) {
             assert_eq!(p.offset(), o.offset());
@@ -331,11 +376,15 @@ mod tests {
         let mut alone = KvCache::new();
         let x = kv(1, 1);
         let mut refs = vec![&mut b, &mut alone];
-        assert!(
-            KvCache::append_one_each(&mut refs, &concatenate(&[&x, &x], 0).unwrap(), &x)
-                .unwrap()
-                .is_none()
-        );
+        assert!(KvCache::append_each(
+            &mut refs,
+            &concatenate(&[&x, &x], 0).unwrap(),
+            &x,
+            &[0, 1],
+            &[1, 1]
+        )
+        .unwrap()
+        .is_none());
         assert_eq!(b.offset(), 0, "nothing was written");
     }
 }

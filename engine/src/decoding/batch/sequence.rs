@@ -115,6 +115,7 @@ impl Sequence {
         let longest = (prompt.len() + config.max_tokens).min(limit);
         cache.reserve_for_generation(longest);
         if longest <= LONGEST_POOLED {
+            pools.iter().for_each(|pool| pool.reserve(longest));
             cache.join_pools(pools)?;
         }
         // Rounds forget rejected drafts: recurrent layers keep that many past states.
