@@ -89,6 +89,11 @@ impl LineFit {
         Some((my - slope * mx, Some(slope)))
     }
 
+    /// The mean of the x observed (decayed as the fit is); `None` before any.
+    pub(crate) fn mean_x(&self) -> Option<f64> {
+        (self.n >= 1e-9).then(|| self.sx / self.n)
+    }
+
     /// The fitted value at `x`. With (nearly) one x seen so far the slope is unknown:
     /// `through_origin` then scales the mean proportionally (draft cost ∝ tokens drafted),
     /// otherwise the line is flat (a verify costs what the widths seen cost). Without

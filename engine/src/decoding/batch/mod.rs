@@ -26,7 +26,9 @@ use crate::decoding::sampling::{argmax_ids, host_ids, EnginePicker};
 use crate::decoding::speculative::acceptance::{accept_sampled, greedy_prefix, Accepted};
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
-use budget::{allocate, Offer, StepCosts, StepFed};
+use budget::{
+    allocate, allocate_probe, CostModel, DecodeStep, Drafting, Offer, StepCosts, StepFed,
+};
 use sequence::Sequence;
 pub use sequence::{Finished, NewSequence, SequenceId};
 
@@ -88,8 +90,10 @@ pub struct BatchDecoder<'m> {
 enum Grant {
     All,
     None,
-    /// As many as pay under the cost model `(fixed, per_position)` seconds.
-    ByCost((f64, f64)),
+    /// As many as pay under the costs measured.
+    ByCost(CostModel),
+    /// As many as pay, or where none do, one sequence's: a measurement.
+    Probe(CostModel),
 }
 
 /// What a step feeds one sequence.
@@ -164,11 +168,21 @@ impl<'m> BatchDecoder<'m> {
         }
     }
 
+    /// The most slots and positions per slot any pool has room for.
+    fn pool_extent(&self) -> (usize, usize) {
+        self.pools
+            .iter()
+            .map(|p| (p.slots(), p.capacity()))
+            .max()
+            .unwrap_or_default()
+    }
+
     /// One forward over every sequence that has something to feed: prompt chunks within
     /// the step's budget, and each decoding sequence's newest token with the drafts
     /// granted to it. Returns what each sequence committed; finished sequences leave.
     pub fn step(&mut self) -> Result<Vec<Progress>, EngineError> {
         let start = Instant::now();
+        let extent = self.pool_extent();
         let rows = self.plan()?;
         let arrays: Vec<Option<Array>> = self
             .sequences
@@ -188,9 +202,13 @@ impl<'m> BatchDecoder<'m> {
             })
             .collect();
         let positions: usize = arrays.iter().flatten().map(|a| a.shape()[1] as usize).sum();
-        let drafted = rows
+        let decoding: Vec<usize> = rows
             .iter()
-            .any(|r| matches!(r, Some(Row::Decode(drafts, _)) if !drafts.is_empty()));
+            .filter_map(|r| match r {
+                Some(Row::Decode(drafts, _)) => Some(drafts.len()),
+                _ => None,
+            })
+            .collect();
         let read_prompts = rows.iter().any(|r| matches!(r, Some(Row::Prompt(_))));
         if positions == 0 {
             return Ok(Vec::new());
@@ -291,13 +309,16 @@ impl<'m> BatchDecoder<'m> {
             }
         }
         let committed: usize = progress.iter().map(|p| p.tokens).sum();
-        let fed = match (read_prompts, drafted) {
-            (true, _) => StepFed::Prompts,
-            (false, true) => StepFed::Drafts { committed },
-            (false, false) => StepFed::Plain { committed },
+        let fed = match read_prompts || self.pool_extent() != extent {
+            true => StepFed::Untypical,
+            false => StepFed::Decode(DecodeStep {
+                rows: decoding.len(),
+                drafts: decoding.iter().sum(),
+                verifying: decoding.iter().filter(|&&d| d > 0).count(),
+                committed,
+            }),
         };
-        self.costs
-            .observe(positions, start.elapsed().as_secs_f64(), fed);
+        self.costs.observe(start.elapsed().as_secs_f64(), fed);
         for (id, stop) in ended {
             let Some(at) = self.sequences.iter().position(|s| s.id == id) else {
                 continue;
@@ -322,18 +343,21 @@ impl<'m> BatchDecoder<'m> {
         let mut budget = self.prefill_positions;
         let mut rows = Vec::with_capacity(self.sequences.len());
         let mut offered: Vec<(usize, Vec<u32>, f64)> = Vec::new();
-        // The decode rows' positions: drafts are weighed against the step's decoding
-        // alone, without the prompt chunks it also reads (their time would make any
-        // draft look cheap next to the step's rate).
-        let mut positions = 0;
+        // Drafts are weighed against the step's decoding rows alone, without the prompt
+        // chunks it also reads (their time would make any draft look cheap next to the
+        // step's rate).
+        let mut rows_decoding = 0;
         // Where this step verifies no drafts, a drafter is asked for one only: its guess,
         // checked against the step's token.
         let grant = match (self.draft_budget, self.costs.model()) {
             (DraftBudget::Everything, _) => Grant::All,
             // Before any step is timed, a plain step is timed first.
             (DraftBudget::FollowLoad, None) => Grant::None,
-            (DraftBudget::FollowLoad, Some(_)) if !self.costs.drafting_allowed() => Grant::None,
-            (DraftBudget::FollowLoad, Some(costs)) => Grant::ByCost(costs),
+            (DraftBudget::FollowLoad, Some(costs)) => match self.costs.drafting() {
+                Drafting::ByCost => Grant::ByCost(costs),
+                Drafting::Off => Grant::None,
+                Drafting::Probe => Grant::Probe(costs),
+            },
         };
         let drafting = !matches!(grant, Grant::None);
         for (i, s) in self.sequences.iter_mut().enumerate() {
@@ -344,7 +368,7 @@ impl<'m> BatchDecoder<'m> {
                 rows.push((n > 0).then_some(Row::Prompt(n)));
                 continue;
             }
-            positions += 1;
+            rows_decoding += 1;
             // The first decode row feeds the prompt's last token: drafts follow committed
             // tokens only, as in a generation alone.
             let cap = match (s.has_committed(), drafting) {
@@ -376,7 +400,8 @@ impl<'m> BatchDecoder<'m> {
         let granted = match grant {
             Grant::All => offers.iter().map(|o| o.available).collect(),
             Grant::None => vec![0; offers.len()],
-            Grant::ByCost(costs) => allocate(&offers, positions, positions as f64, costs),
+            Grant::ByCost(costs) => allocate(&offers, rows_decoding, &costs),
+            Grant::Probe(costs) => allocate_probe(&offers, rows_decoding, &costs),
         };
         for ((i, mut tokens, _), k) in offered.into_iter().zip(granted) {
             let guess = (k == 0).then(|| tokens.first().copied()).flatten();
