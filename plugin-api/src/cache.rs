@@ -790,12 +790,13 @@ impl ModelCache {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::random;
 
-    fn kv(len: i32, seed: u64) -> Array {
+    /// `[1, 2, len, 4]` f32 from `seed`: keys or values of `len` positions.
+    pub(crate) fn kv(len: i32, seed: u64) -> Array {
         let key = random::key(seed).unwrap();
         random::normal::<f32>(&[1, 2, len, 4], None, None, Some(&key)).unwrap()
     }

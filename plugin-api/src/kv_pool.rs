@@ -279,16 +279,10 @@ impl Buffers {
 #[cfg(test)]
 mod tests {
     use mlx_rs::ops::concatenate;
-    use mlx_rs::random;
 
     use super::*;
+    use crate::cache::tests::kv;
     use crate::KvCache;
-
-    /// `[1, 2, len, 4]` f32 from `seed`.
-    fn kv(len: i32, seed: u64) -> Array {
-        let key = random::key(seed).unwrap();
-        random::normal::<f32>(&[1, 2, len, 4], None, None, Some(&key)).unwrap()
-    }
 
     fn same(a: &Array, b: &Array) -> bool {
         a.shape() == b.shape() && a.all_close(b, 0.0, 0.0, None).unwrap()
