@@ -18,6 +18,7 @@ use crate::layers::{
     is_row_layout, rms_norm_unscaled, seq_slice, softcap, split_last, Linear, NormWeight, RmsNorm,
     Rope, Split,
 };
+use crate::pooled_attention::{self, PooledStep, Queries};
 use crate::tensor_parallel::TensorParallel;
 
 /// Shape and options of one attention layer.
@@ -160,13 +161,9 @@ fn attends_position_by_position(offset: i32, len: i32, mask: &Mask) -> bool {
         && Backend::current() == Backend::Cpu
 }
 
-/// A batched decode step's attention over a key/value pool reads positions in
-/// multiples of this many, up to the longest sequence's.
-const POOL_READ_STEP: i32 = 64;
-
 /// The longest row a batched step attends over a key/value pool with the others (a new
-/// token and its drafts): the pooled attention runs once per position of the longest
-/// row, so longer rows (prompt chunks) attend on their own.
+/// token and its drafts): the pool's queries are padded to the longest row (on the CPU,
+/// attend once per position of it), so longer rows (prompt chunks) attend on their own.
 const POOLED_ROW_MAX: i32 = 16;
 
 /// MLX splits an array into up to this many pieces with one graph node (and into more
@@ -819,12 +816,9 @@ impl Attention {
     /// Rows whose caches are all in one pool (`q` `[T, heads, 1, D]`, `k`/`v` `[T,
     /// kv_heads, 1, D]`, one position a row; cache r's `lens[r]` positions from row
     /// `starts[r]` on): every row's keys and values written in a few graph nodes per
-    /// buffer, then one attention over the pool's whole buffers per position of the
-    /// longest row, the j-th positions of every row together, each slot's query seeing
-    /// its own positions up to its own (so each position computes as a one-token step
-    /// over the pool does). Slots without a j-th position attend too, for nothing (one
-    /// query each). The outputs `[P, heads, 1, D]` and the rows of `q` they belong to,
-    /// in their order; `None` when the caches are not in one pool.
+    /// buffer, then attention over the pool's whole buffers ([`pooled_attention`]). The
+    /// outputs `[P, heads, 1, D]` and the rows of `q` they belong to, in their order;
+    /// `None` when the caches are not in one pool.
     fn attend_pooled(
         &self,
         q: &Array,
@@ -838,60 +832,23 @@ impl Attention {
         let Some((view, slots)) = KvCache::append_each(caches, k, v, starts, lens)? else {
             return Ok(None);
         };
-        let count = view.lengths.len();
-        // Per slot, the row of `q` its first new position is at.
-        let mut first = vec![0i32; count];
+        let mut first = vec![0i32; view.lengths.len()];
         for (&slot, &start) in slots.iter().zip(starts) {
             first[slot] = start;
         }
-        let capacity = view.keys.shape()[2];
-        let widest = lens.iter().copied().max().unwrap_or(1);
-        let mut outs = Vec::with_capacity(widest as usize);
-        let mut order = Vec::new();
-        for j in 0..widest {
-            // Slots with a j-th new position: its query, and the keys up to it.
-            let mut source = vec![0u32; count];
-            let mut lengths = vec![1i32; count];
-            let mut taking = Vec::new();
-            for slot in (0..count).filter(|&slot| j < view.written[slot]) {
-                source[slot] = (first[slot] + j) as u32;
-                lengths[slot] = view.lengths[slot] - view.written[slot] + j + 1;
-                taking.push(slot as u32);
-            }
-            order.extend(taking.iter().map(|&slot| source[slot as usize]));
-            let queries = q.take_axis(Array::from_slice(&source, &[count as i32]), 0)?;
-            // Keys past the longest slot's are never visible: attention reads only up
-            // to there (rounded up, so that the shapes repeat for a while).
-            let longest = lengths.iter().copied().max().unwrap_or(1);
-            let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
-            let used = used.min(capacity);
-            let (pool_keys, pool_values) = (
-                slice_axis(&view.keys, 2, 0, used)?,
-                slice_axis(&view.values, 2, 0, used)?,
-            );
-            let keys = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, used])?;
-            let lengths = Array::from_slice(&lengths, &[count as i32, 1, 1, 1]);
-            let mut visible = keys.lt(&lengths)?;
-            if let Some(w) = s.sliding_window {
-                // The query is at `length − 1`: keys less than `w` before it.
-                visible =
-                    visible.logical_and(&keys.gt(lengths.subtract(Array::from_int(w + 1))?)?)?;
-            }
-            let out = scaled_dot_product_attention(
-                &queries,
-                &pool_keys,
-                &pool_values,
-                s.scale,
-                Some(ScaledDotProductAttentionMask::Array(&visible)),
-                None,
-            )?;
-            let len = taking.len() as i32;
-            outs.push(out.take_axis(Array::from_slice(&taking, &[len]), 0)?);
-        }
-        let out = match outs.len() {
-            1 => outs.pop().expect("one piece"),
-            _ => concatenate(&outs, 0)?,
+        let step = PooledStep {
+            view: &view,
+            first,
+            scale: s.scale,
+            sliding_window: s.sliding_window,
         };
+        // One query a call on the CPU, where it rounds as a one-token step does; all at
+        // once elsewhere, where every call's graph nodes cost host time.
+        let queries = match Backend::current() {
+            Backend::Cpu => Queries::ByDepth,
+            _ => Queries::AtOnce,
+        };
+        let (out, order) = pooled_attention::attend(q, &step, queries)?;
         Ok(Some((out, order)))
     }
 

@@ -24,6 +24,7 @@ pub mod gated_delta;
 pub mod hybrid;
 pub mod layers;
 pub mod lora;
+pub mod pooled_attention;
 pub mod tensor_parallel;
 pub mod transformer;
 pub mod weights;

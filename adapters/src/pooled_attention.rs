@@ -1,0 +1,242 @@
+//! Attention of a batched step's rows over a key/value pool, after the step has written
+//! every row's new positions into it ([`KvCache::append_each`]): one attention over the
+//! pool's whole buffers, each slot's queries masked to its own positions, however many
+//! sequences there are.
+//!
+//! A row of one new token has one query; a row that verifies drafts has one per
+//! position, each seeing the keys up to its own. Those can attend in one call (the
+//! queries of every slot side by side, padded to the longest row), or in one call per
+//! position depth (the j-th positions of every row together, one query a slot). One
+//! call is fewest graph nodes, which bound a GPU's step; one query a call computes each
+//! position as a one-token step over the pool does, which on the CPU rounds differently
+//! from a call of several queries.
+//!
+//! [`KvCache::append_each`]: dspec_plugin_api::KvCache::append_each
+
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{arange, concatenate};
+use mlx_rs::Array;
+
+use dspec_plugin_api::error::Result;
+use dspec_plugin_api::PoolView;
+use dspec_runtime::slicing::slice_axis;
+
+/// Attention over a pool reads positions in multiples of this many, up to the longest
+/// a query sees: shapes then repeat from one step to the next for a while.
+const POOL_READ_STEP: i32 = 64;
+
+/// A step's written pool, and where its queries are.
+pub struct PooledStep<'a> {
+    pub view: &'a PoolView,
+    /// Per slot, the row of the queries its first new position is at (slots the step
+    /// did not write: unused).
+    pub first: Vec<i32>,
+    pub scale: f32,
+    pub sliding_window: Option<i32>,
+}
+
+/// How the queries of rows of several positions meet the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Queries {
+    /// Every query in one call.
+    AtOnce,
+    /// One call per position depth, one query a slot.
+    ByDepth,
+}
+
+/// Attention of `q` (`[T, heads, 1, D]`, one position a row) over the pool of `step`:
+/// `[P, heads, 1, D]` for the P new positions written, and the rows of `q` they belong
+/// to, in their order.
+pub fn attend(q: &Array, step: &PooledStep, queries: Queries) -> Result<(Array, Vec<u32>)> {
+    match queries {
+        Queries::AtOnce => at_once(q, step),
+        Queries::ByDepth => by_depth(q, step),
+    }
+}
+
+/// Every slot's queries side by side, `[slots, heads, widest, D]`, in one call.
+fn at_once(q: &Array, step: &PooledStep) -> Result<(Array, Vec<u32>)> {
+    let view = step.view;
+    let count = view.lengths.len();
+    let widest = view.written.iter().copied().max().unwrap_or(1).max(1);
+    let w = widest as usize;
+    // Slot s's j-th query: row `first + j` of `q`, seeing the keys up to its position.
+    // Past a slot's own positions (and for slots not written) the query repeats one
+    // of its own or row 0, sees key 0 only, and is dropped.
+    let mut source = vec![0u32; count * w];
+    let mut sees = vec![1i32; count * w];
+    let mut taking = Vec::new();
+    let mut order = Vec::new();
+    for slot in 0..count {
+        let written = view.written[slot];
+        let before = view.lengths[slot] - written;
+        for j in 0..written {
+            let at = slot * w + j as usize;
+            source[at] = (step.first[slot] + j) as u32;
+            sees[at] = before + j + 1;
+            taking.push(at as u32);
+            order.push(source[at]);
+        }
+        for j in written.max(1)..widest {
+            source[slot * w + j as usize] = source[slot * w + written.max(1) as usize - 1];
+        }
+    }
+    let (h, d) = (q.shape()[1], q.shape()[3]);
+    let queries = q
+        .take_axis(Array::from_slice(&source, &[(count * w) as i32]), 0)?
+        .reshape(&[count as i32, widest, h, d])?
+        .transpose_axes(&[0, 2, 1, 3])?;
+    let longest = sees.iter().copied().max().unwrap_or(1);
+    let sees = Array::from_slice(&sees, &[count as i32, 1, widest, 1]);
+    let out = over_pool(&queries, step, &sees, longest)?
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[(count * w) as i32, h, 1, d])?;
+    let len = taking.len() as i32;
+    Ok((out.take_axis(Array::from_slice(&taking, &[len]), 0)?, order))
+}
+
+/// One call per position depth: the j-th positions of every slot that has one.
+fn by_depth(q: &Array, step: &PooledStep) -> Result<(Array, Vec<u32>)> {
+    let view = step.view;
+    let count = view.lengths.len();
+    let widest = view.written.iter().copied().max().unwrap_or(1).max(1);
+    let mut outs = Vec::with_capacity(widest as usize);
+    let mut order = Vec::new();
+    for j in 0..widest {
+        let mut source = vec![0u32; count];
+        let mut sees = vec![1i32; count];
+        let mut taking = Vec::new();
+        for slot in (0..count).filter(|&slot| j < view.written[slot]) {
+            source[slot] = (step.first[slot] + j) as u32;
+            sees[slot] = view.lengths[slot] - view.written[slot] + j + 1;
+            taking.push(slot as u32);
+            order.push(source[slot]);
+        }
+        let queries = q.take_axis(Array::from_slice(&source, &[count as i32]), 0)?;
+        let longest = sees.iter().copied().max().unwrap_or(1);
+        let sees = Array::from_slice(&sees, &[count as i32, 1, 1, 1]);
+        let out = over_pool(&queries, step, &sees, longest)?;
+        let len = taking.len() as i32;
+        outs.push(out.take_axis(Array::from_slice(&taking, &[len]), 0)?);
+    }
+    let out = match outs.len() {
+        1 => outs.pop().expect("one depth"),
+        _ => concatenate(&outs, 0)?,
+    };
+    Ok((out, order))
+}
+
+/// `queries` (`[slots, heads, L, D]`) over the pool, query (s, j) seeing the keys before
+/// `sees[s, 0, j, 0]` (and, under a sliding window, only the window's last ones);
+/// `longest`: the most any query sees.
+fn over_pool(queries: &Array, step: &PooledStep, sees: &Array, longest: i32) -> Result<Array> {
+    let view = step.view;
+    let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
+    let used = used.min(view.keys.shape()[2]);
+    let keys = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, used])?;
+    let mut visible = keys.lt(sees)?;
+    if let Some(w) = step.sliding_window {
+        // A query at `sees − 1` sees keys less than `w` before it.
+        visible = visible.logical_and(&keys.gt(sees.subtract(Array::from_int(w + 1))?)?)?;
+    }
+    Ok(scaled_dot_product_attention(
+        queries,
+        slice_axis(&view.keys, 2, 0, used)?,
+        slice_axis(&view.values, 2, 0, used)?,
+        step.scale,
+        Some(ScaledDotProductAttentionMask::Array(&visible)),
+        None,
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dspec_plugin_api::{KvCache, KvPool};
+    use mlx_rs::random;
+
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        let key = random::key(seed).unwrap();
+        random::normal::<f32>(shape, None, None, Some(&key)).unwrap()
+    }
+
+    /// Three sequences in a pool (2 KV heads of 4 under 4 query heads), 5, 9 and 2
+    /// positions held, then 3, 1 and 2 new ones written at once: both ways of querying
+    /// give each new position what one query over its own sequence's keys up to it
+    /// gives, with and without a sliding window.
+    #[test]
+    fn every_position_sees_its_own_keys_up_to_itself() {
+        let held = [5, 9, 2];
+        let lens = [3, 1, 2];
+        let starts = [0, 3, 4];
+        for window in [None, Some(3)] {
+            let pool = KvPool::new();
+            let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::new()).collect();
+            let mut own: Vec<KvCache> = (0..3).map(|_| KvCache::new()).collect();
+            for (i, (c, o)) in caches.iter_mut().zip(&mut own).enumerate() {
+                c.join_pool(&pool).unwrap();
+                let (k, v) = (
+                    normal(&[1, 2, held[i], 4], i as u64),
+                    normal(&[1, 2, held[i], 4], 10 + i as u64),
+                );
+                c.update_and_fetch(&k, &v).unwrap();
+                o.update_and_fetch(&k, &v).unwrap();
+            }
+            let (k, v) = (normal(&[6, 2, 1, 4], 20), normal(&[6, 2, 1, 4], 21));
+            let q = normal(&[6, 4, 1, 4], 22);
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            let (view, slots) = KvCache::append_each(&mut refs, &k, &v, &starts, &lens)
+                .unwrap()
+                .expect("one pool");
+            let mut first = vec![0; view.lengths.len()];
+            for (&slot, &start) in slots.iter().zip(&starts) {
+                first[slot] = start;
+            }
+            let step = PooledStep {
+                view: &view,
+                first,
+                scale: 0.5,
+                sliding_window: window,
+            };
+            // One query at a time over the sequence's own keys up to its position.
+            let mut expected = Vec::new();
+            for (i, o) in own.iter_mut().enumerate() {
+                for j in 0..lens[i] {
+                    let row = starts[i] + j;
+                    let at = |a: &Array| a.take_axis(Array::from_int(row), 0).unwrap();
+                    let (keys, values) = o
+                        .update_and_fetch(
+                            &at(&k).reshape(&[1, 2, 1, 4]).unwrap(),
+                            &at(&v).reshape(&[1, 2, 1, 4]).unwrap(),
+                        )
+                        .unwrap();
+                    let end = held[i] + j + 1;
+                    let from = window.map_or(0, |w| (end - w).max(0));
+                    let out = scaled_dot_product_attention(
+                        at(&q).reshape(&[1, 4, 1, 4]).unwrap(),
+                        slice_axis(&keys, 2, from, end).unwrap(),
+                        slice_axis(&values, 2, from, end).unwrap(),
+                        0.5,
+                        None,
+                        None,
+                    )
+                    .unwrap();
+                    expected.push((row as u32, out));
+                }
+            }
+            for queries in [Queries::AtOnce, Queries::ByDepth] {
+                let (out, order) = attend(&q, &step, queries).unwrap();
+                assert_eq!(order.len(), 6, "{queries:?}");
+                for (row, want) in &expected {
+                    let at = order.iter().position(|r| r == row).expect("every row");
+                    let got = out.take_axis(Array::from_int(at as i32), 0).unwrap();
+                    let got = got.reshape(&[1, 4, 1, 4]).unwrap();
+                    assert!(
+                        got.all_close(want, 1e-5, 1e-5, None).unwrap(),
+                        "{queries:?}, window {window:?}, row {row}"
+                    );
+                }
+            }
+        }
+    }
+}
