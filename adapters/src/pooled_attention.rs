@@ -61,8 +61,8 @@ fn at_once(q: &Array, step: &PooledStep) -> Result<(Array, Vec<u32>)> {
     let widest = view.written.iter().copied().max().unwrap_or(1).max(1);
     let w = widest as usize;
     // Slot s's j-th query: row `first + j` of `q`, seeing the keys up to its position.
-    // Past a slot's own positions (and for slots not written) the query repeats one
-    // of its own or row 0, sees key 0 only, and is dropped.
+    // Past a slot's own positions (and for slots not written) the query is row 0, sees
+    // key 0 only, and is dropped.
     let mut source = vec![0u32; count * w];
     let mut sees = vec![1i32; count * w];
     let mut taking = Vec::new();
@@ -76,9 +76,6 @@ fn at_once(q: &Array, step: &PooledStep) -> Result<(Array, Vec<u32>)> {
             sees[at] = before + j + 1;
             taking.push(at as u32);
             order.push(source[at]);
-        }
-        for j in written.max(1)..widest {
-            source[slot * w + j as usize] = source[slot * w + written.max(1) as usize - 1];
         }
     }
     let (h, d) = (q.shape()[1], q.shape()[3]);

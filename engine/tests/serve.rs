@@ -37,13 +37,13 @@ impl Server {
         Self::start_model(&model, Some(dir), drafter, extra)
     }
 
-    /// `dspec serve` on the model directory `model`, served as "tiny".
     /// The real SmolLM2-135M served with n-gram drafts and `extra` flags.
     fn start_smollm2(extra: &[&str]) -> Server {
         let (_, model) = common::fetch_real_model("smollm2");
         Self::start_model(model.to_str().expect("utf-8 path"), None, "ngram", extra)
     }
 
+    /// `dspec serve` on the model directory `model`, served as "tiny".
     fn start_model(
         model: &str,
         dir: Option<tempfile::TempDir>,
