@@ -24,7 +24,7 @@ requests wait for their turn rather than get 429, and with --max-batch when give
 --drafter takes a comma-separated list (default none,ngram): one dspec server per drafter,
 labelled `dspec (DRAFTER)`, or `dspec (DRAFTER, batch N)` where --max-batch does not say
 how many requests it decodes together (N is what the server reports: its default when
---max-batch is not given, 1 for a drafter that runs a model). An unknown drafter is dspec
+--max-batch is not given, 1 for a draft model). An unknown drafter is dspec
 serve's own error, shown with its last lines. Ratio columns of aggregate tok/s at the same
 concurrency: `speculation ×` for each drafter over `none` (plain decoding), when both were
 measured; `/ mlx-lm` for each dspec server over mlx-lm's, when mlx-lm was measured; with

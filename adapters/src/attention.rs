@@ -69,6 +69,7 @@ impl AttentionSpec {
 // One per layer, built at load and never moved on the hot path: the variants' sizes
 // do not matter.
 #[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
 enum Projections {
     Separate {
         q: Linear,
@@ -81,6 +82,7 @@ enum Projections {
     Fused { qkv: Linear, sizes: Vec<i32> },
 }
 
+#[derive(Clone)]
 pub struct Attention {
     spec: AttentionSpec,
     projections: Projections,

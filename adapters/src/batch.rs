@@ -1,13 +1,14 @@
 //! What the built-in families share to run several sequences in one forward
-//! ([`TargetModel::forward_batch`]): the rows' checks, and their logits from the packed
-//! hidden states, through the final norm and head for the wanted positions only.
+//! ([`TargetModel::forward_batch`]): the rows' checks, and their outputs from the packed
+//! hidden states: logits through the final norm and head for the wanted positions
+//! only, and the tap layers' states where a drafter asked for them.
 
 use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
-use dspec_plugin_api::target::{check_batch_row, check_forward_args};
-use dspec_plugin_api::{BatchRow, TargetModel};
+use dspec_plugin_api::target::{check_batch_row, check_forward_args, TapCollector};
+use dspec_plugin_api::{BatchRow, RowOutput, TargetModel};
 use dspec_runtime::slicing::slice_axis;
 
 /// Checks every row as a forward of its own would be checked; returns the rows' lengths
@@ -16,12 +17,13 @@ use dspec_runtime::slicing::slice_axis;
 pub fn embedded_rows(
     model: &dyn TargetModel,
     rows: &[BatchRow<'_>],
+    taps: &[usize],
     num_layers: usize,
 ) -> Result<(Vec<i32>, Array)> {
     let lens = rows
         .iter()
         .map(|row| {
-            check_forward_args(row.tokens, row.cache, &[], num_layers)?;
+            check_forward_args(row.tokens, row.cache, taps, num_layers)?;
             check_batch_row(row)?;
             Ok(row.tokens.shape()[1])
         })
@@ -30,38 +32,58 @@ pub fn embedded_rows(
     Ok((lens, model.embed(&concatenate(&tokens, 1)?)?))
 }
 
-/// Each row's wanted logits from `h`, the final layer's output over the packed rows
-/// (`[1, T, hidden]`, rows of `lens` positions one after another). A prompt's chunk
-/// wants none, so a batch that reads long prompts never projects them onto the
-/// vocabulary.
-pub fn rows_logits(
+/// Each row's output from `h`, the final layer's output over the packed rows
+/// (`[1, T, hidden]`, rows of `lens` positions one after another): its wanted logits,
+/// and its positions of the tapped layers' outputs, side by side in an array of its
+/// own (a view of the packed states would keep every row's alive as long as any row's
+/// is kept). A prompt's chunk wants no logits, so a batch that reads long prompts never
+/// projects them onto the vocabulary.
+pub fn rows_outputs(
     model: &dyn TargetModel,
     h: &Array,
+    tapped: &TapCollector,
     rows: &[BatchRow<'_>],
     lens: &[i32],
-) -> Result<Vec<Option<Array>>> {
+) -> Result<Vec<RowOutput>> {
+    let tapped = tapped.parts();
     let mut wanted = Vec::new();
     let mut end = 0;
     for (row, &len) in rows.iter().zip(lens) {
         end += len;
         wanted.extend((end - row.logits as i32)..end);
     }
-    if wanted.is_empty() {
-        return Ok(rows.iter().map(|_| None).collect());
-    }
-    let picked = match wanted.len() as i32 == end {
-        true => h.clone(),
-        false => h.take_axis(Array::from_slice(&wanted, &[wanted.len() as i32]), 1)?,
+    let logits = match wanted.is_empty() {
+        true => None,
+        false => {
+            let picked = match wanted.len() as i32 == end {
+                true => h.clone(),
+                false => h.take_axis(Array::from_slice(&wanted, &[wanted.len() as i32]), 1)?,
+            };
+            Some(model.lm_head(&model.final_norm(&picked)?)?)
+        }
     };
-    let logits = model.lm_head(&model.final_norm(&picked)?)?;
-    let mut at = 0;
+    let (mut at, mut start) = (0, 0);
     rows.iter()
-        .map(|row| {
+        .zip(lens)
+        .map(|(row, &len)| {
             let n = row.logits as i32;
             at += n;
-            Ok(match n {
-                0 => None,
-                _ => Some(slice_axis(&logits, 1, at - n, at)?),
+            start += len;
+            Ok(RowOutput {
+                logits: match (n, &logits) {
+                    (0, _) | (_, None) => None,
+                    (_, Some(l)) => Some(slice_axis(l, 1, at - n, at)?),
+                },
+                hidden: match tapped.is_empty() {
+                    true => None,
+                    false => {
+                        let parts = tapped
+                            .iter()
+                            .map(|t| slice_axis(t, 1, start - len, start))
+                            .collect::<std::result::Result<Vec<_>, _>>()?;
+                        Some(concatenate(&parts, -1)?)
+                    }
+                },
             })
         })
         .collect()
@@ -140,11 +162,18 @@ mod tests {
             .collect()
     }
 
-    /// Each call's wanted logits for every row, the rows run together through
-    /// `forward_batch` (`batched`) or each alone through `forward`, the attention
-    /// layers' keys and values of the last `pooled` rows in a pool per layer, the
-    /// others' in caches of their own.
-    fn run(model: &dyn TargetModel, batched: bool, pooled: usize) -> Vec<Vec<f32>> {
+    /// Layers whose hidden states every call asks for, as a block drafter does.
+    const TAPS: [usize; 2] = [1, 0];
+
+    /// Each call's wanted logits for every row, and every row's hidden states at
+    /// [`TAPS`], the rows run together through `forward_batch` (`batched`) or each
+    /// alone through `forward`, the attention layers' keys and values of the last
+    /// `pooled` rows in a pool per layer, the others' in caches of their own.
+    fn run(
+        model: &dyn TargetModel,
+        batched: bool,
+        pooled: usize,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
         let plan = schedule();
         let sequences: Vec<Vec<u32>> = (0..3).map(sequence).collect();
         let mut caches: Vec<ModelCache> = (0..3).map(|_| model.new_cache()).collect();
@@ -157,6 +186,7 @@ mod tests {
         }
         let mut at = [0usize; 3];
         let mut out = Vec::new();
+        let mut states = Vec::new();
         let steps: Vec<[Call; 3]> = (0..STEPS)
             .map(|s| [plan[0][s], plan[1][s], plan[2][s]])
             .collect();
@@ -180,21 +210,32 @@ mod tests {
                     logits: calls[row].logits,
                 })
                 .collect();
-            let logits = match batched {
-                true => model.forward_batch(&mut rows).expect("batched forward"),
+            let outputs = match batched {
+                true => model
+                    .forward_batch(&mut rows, &TAPS)
+                    .expect("batched forward"),
                 false => rows
                     .iter_mut()
                     .map(|row| {
                         model
-                            .forward_batch(std::slice::from_mut(row))
+                            .forward_batch(std::slice::from_mut(row), &TAPS)
                             .expect("forward")
                             .remove(0)
                     })
                     .collect(),
             };
-            for (row, l) in logits.into_iter().enumerate() {
+            for (row, output) in outputs.into_iter().enumerate() {
+                let hidden = output.hidden.expect("hidden states at the taps");
+                let width = model.info().hidden_size * TAPS.len();
+                assert_eq!(
+                    hidden.shape(),
+                    &[1, calls[row].tokens as i32, width as i32],
+                    "row {row}, call {step}: every position's tapped states"
+                );
+                let hidden = hidden.as_dtype(Dtype::Float32).expect("cast");
+                states.push(hidden.as_slice::<f32>().to_vec());
                 let wanted = calls[row].logits;
-                match l {
+                match output.logits {
                     None => assert_eq!(wanted, 0, "row {row}, call {step}: no logits"),
                     Some(l) => {
                         assert_eq!(l.shape()[1] as usize, wanted, "row {row}, call {step}");
@@ -211,7 +252,18 @@ mod tests {
                 );
             }
         }
-        out
+        (out, states)
+    }
+
+    /// The largest difference between two runs' values, and the largest value.
+    fn worst_of(t: &[f32], a: &[f32]) -> (f32, f32) {
+        let largest = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let worst = t
+            .iter()
+            .zip(a)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        (worst, largest)
     }
 
     /// Rows run together give what each row gives alone, within f32 rounding (a product
@@ -274,7 +326,7 @@ mod tests {
             };
             let model = load_dir(dir.path(), &options).expect("load");
             assert!(model.batches_rows(), "{name} batches its rows");
-            let alone = run(model.as_ref(), false, 0);
+            let (alone, alone_states) = run(model.as_ref(), false, 0);
             let runs = [
                 ("together", run(model.as_ref(), true, 0)),
                 ("together, pooled", run(model.as_ref(), true, 3)),
@@ -284,20 +336,25 @@ mod tests {
                 ),
                 ("alone, pooled", run(model.as_ref(), false, 3)),
             ];
+            for (how, (_, states)) in &runs {
+                assert_eq!(states.len(), alone_states.len());
+                for (i, (t, a)) in states.iter().zip(&alone_states).enumerate() {
+                    let (worst, largest) = worst_of(t, a);
+                    assert!(
+                        worst <= 1e-4 * largest.max(1.0),
+                        "{name} {how}, tapped states {i}: differ by {worst} (largest {largest})"
+                    );
+                }
+            }
             for (i, (how, t, a)) in runs
                 .iter()
-                .flat_map(|(how, together)| {
+                .flat_map(|(how, (together, _))| {
                     assert_eq!(together.len(), alone.len());
                     together.iter().zip(&alone).map(move |(t, a)| (how, t, a))
                 })
                 .enumerate()
             {
-                let largest = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                let worst = t
-                    .iter()
-                    .zip(a)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0f32, f32::max);
+                let (worst, largest) = worst_of(t, a);
                 assert!(
                     worst <= 1e-4 * largest.max(1.0),
                     "{name} {how}, logits {i}: differ by {worst} (largest {largest})"
@@ -320,8 +377,8 @@ mod tests {
         }
     }
 
-    /// A row asking for more logits than it has positions, or a cache of another model,
-    /// is refused before anything runs.
+    /// A row asking for more logits than it has positions, a cache of another model, or
+    /// taps past the model's layers are refused before anything runs.
     #[test]
     fn bad_rows_are_refused() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -329,20 +386,27 @@ mod tests {
         let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
         let ids = Array::from_slice(&[1u32, 2, 3], &[1, 3]);
         // Two rows of `ids`, the second wanting `logits` over `second`.
-        let refused = |first: &mut ModelCache, second: &mut ModelCache, logits: usize| {
-            let row = |cache, logits| BatchRow {
-                tokens: &ids,
-                cache,
-                logits,
+        let refused =
+            |first: &mut ModelCache, second: &mut ModelCache, logits: usize, taps: &[usize]| {
+                let row = |cache, logits| BatchRow {
+                    tokens: &ids,
+                    cache,
+                    logits,
+                };
+                let mut rows = [row(first, 1), row(second, logits)];
+                match model.forward_batch(&mut rows, taps) {
+                    Ok(_) => panic!("a bad batch ran"),
+                    Err(e) => e,
+                }
             };
-            let mut rows = [row(first, 1), row(second, logits)];
-            model.forward_batch(&mut rows).expect_err("refused")
-        };
         let (mut a, mut b) = (model.new_cache(), model.new_cache());
-        let err = refused(&mut a, &mut b, 4);
+        let err = refused(&mut a, &mut b, 4, &[]);
         assert!(err.to_string().contains("last 4 positions"), "{err}");
         assert_eq!(a.offset(), 0, "nothing ran");
-        let err = refused(&mut a, &mut ModelCache::new(1), 1);
+        let err = refused(&mut a, &mut ModelCache::new(1), 1, &[]);
         assert!(err.to_string().contains("different model"), "{err}");
+        let err = refused(&mut a, &mut b, 1, &[0, 7]);
+        assert!(err.to_string().contains('7'), "{err}");
+        assert_eq!((a.offset(), b.offset()), (0, 0), "nothing ran");
     }
 }

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use dspec_plugin_api::error::{ModelError, Result};
 use dspec_plugin_api::target::{check_forward_args, forward_rows_one_by_one, TapCollector};
 use dspec_plugin_api::{
-    BatchRow, ForwardOutput, KvCache, LayerCache, ModelCache, ModelInfo, RecurrentCache,
+    BatchRow, ForwardOutput, KvCache, LayerCache, ModelCache, ModelInfo, RecurrentCache, RowOutput,
     TargetModel, WeightSource,
 };
 use dspec_runtime::slicing::slice_axis;
@@ -26,7 +26,7 @@ use dspec_runtime::slicing::slice_axis;
 use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
 };
-use crate::batch::{embedded_rows, rows_logits};
+use crate::batch::{embedded_rows, rows_outputs};
 use crate::config::{CommonConfig, MoeConfig, MoeDefaults};
 use crate::continuation::ContinuationLayout;
 use crate::gated_delta::{
@@ -500,11 +500,12 @@ impl TargetModel for HybridDecoder {
         Ok(ForwardOutput { logits, hidden })
     }
 
-    fn forward_batch(&self, rows: &mut [BatchRow<'_>]) -> Result<Vec<Option<Array>>> {
+    fn forward_batch(&self, rows: &mut [BatchRow<'_>], taps: &[usize]) -> Result<Vec<RowOutput>> {
         if rows.len() < 2 {
-            return forward_rows_one_by_one(self, rows);
+            return forward_rows_one_by_one(self, rows, taps);
         }
-        let (lens, mut h) = embedded_rows(self, rows, self.layers.len())?;
+        let (lens, mut h) = embedded_rows(self, rows, taps, self.layers.len())?;
+        let mut tapped = TapCollector::new(taps, self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let x = layer.input_norm.forward(&h)?;
             let mixed = match &layer.mixer {
@@ -525,8 +526,9 @@ impl TargetModel for HybridDecoder {
             };
             let mid = h.add(mixed)?;
             h = mid.add(layer.mlp.forward(&layer.post_norm.forward(&mid)?)?)?;
+            tapped.offer(i, &h);
         }
-        rows_logits(self, &h, rows, &lens)
+        rows_outputs(self, &h, &tapped, rows, &lens)
     }
 
     fn batches_rows(&self) -> bool {

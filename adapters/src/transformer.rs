@@ -9,13 +9,15 @@ use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::target::{check_forward_args, forward_rows_one_by_one, TapCollector};
-use dspec_plugin_api::{BatchRow, ForwardOutput, ModelCache, ModelInfo, TargetModel, WeightSource};
+use dspec_plugin_api::{
+    BatchRow, ForwardOutput, ModelCache, ModelInfo, RowOutput, TargetModel, WeightSource,
+};
 
 use crate::attention::{
     attention_mask, whole_buffer_mask, whole_buffer_pays, Attention, AttentionSpec, Mask,
     WHOLE_BUFFER_MAX_TOKENS,
 };
-use crate::batch::{embedded_rows, rows_logits};
+use crate::batch::{embedded_rows, rows_outputs};
 use crate::continuation::ContinuationLayout;
 use crate::cuda;
 use crate::layers::{
@@ -65,6 +67,7 @@ pub struct DecoderSpec {
 
 /// One decoder block (attention + MLP with the family's norms), as the target runs it
 /// and as drafters built from the same families (DFlash, DSpark) run it over a draft block.
+#[derive(Clone)]
 pub struct DecoderLayer {
     attn: Attention,
     mlp: FeedForward,
@@ -476,19 +479,21 @@ impl TargetModel for Decoder {
         })
     }
 
-    fn forward_batch(&self, rows: &mut [BatchRow<'_>]) -> Result<Vec<Option<Array>>> {
+    fn forward_batch(&self, rows: &mut [BatchRow<'_>], taps: &[usize]) -> Result<Vec<RowOutput>> {
         if rows.len() < 2 {
-            return forward_rows_one_by_one(self, rows);
+            return forward_rows_one_by_one(self, rows, taps);
         }
-        let (lens, mut h) = embedded_rows(self, rows, self.layers.len())?;
+        let (lens, mut h) = embedded_rows(self, rows, taps, self.layers.len())?;
+        let mut tapped = TapCollector::new(taps, self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let mut caches = rows
                 .iter_mut()
                 .map(|r| r.cache.layers_mut()[i].kv_mut())
                 .collect::<Result<Vec<_>>>()?;
             h = layer.forward_packed(&h, &mut caches, &lens)?;
+            tapped.offer(i, &h);
         }
-        rows_logits(self, &h, rows, &lens)
+        rows_outputs(self, &h, &tapped, rows, &lens)
     }
 
     fn batches_rows(&self) -> bool {

@@ -4,6 +4,9 @@
 //! committed; a draft block then runs through the layers against `[context ; block]`
 //! with no causal mask inside the block, and leaves the caches holding the context only.
 
+use std::sync::Arc;
+
+use mlx_rs::ops::concatenate;
 use mlx_rs::{Array, Dtype};
 
 use dspec_adapters::attention::{block_mask, whole_buffer_block_mask, whole_buffer_pays, Mask};
@@ -19,13 +22,18 @@ pub struct ContextLayers {
     pub layers: Vec<DecoderLayer>,
     /// One per layer: keys and values of the verified context positions.
     caches: Vec<KvCache>,
+    /// States handed over and not yet projected into the caches: they are projected
+    /// together when a block next runs, so that a sequence decoded without drafts (a
+    /// batch's, while drafts do not pay) does not run the layers' projections every step.
+    pending: Vec<Array>,
     /// Width of the hidden states the target hands over (`taps × target hidden`).
     tap_width: i32,
     /// Activation dtype the target's hidden states are cast to.
     dtype: Option<Dtype>,
     /// Blocks of up to [`cuda::MAX_ROWS`] positions go through dspec's CUDA kernels
-    /// ([`ContextLayers::use_kernels`]); the compile they started at load, if any.
-    kernels: Option<cuda::WarmUp>,
+    /// ([`ContextLayers::use_kernels`]); the compile they started at load, if any,
+    /// shared with the forks.
+    kernels: Option<Arc<cuda::WarmUp>>,
 }
 
 impl ContextLayers {
@@ -42,6 +50,7 @@ impl ContextLayers {
             hidden_norm,
             layers,
             caches,
+            pending: Vec::new(),
             tap_width,
             dtype,
             kernels: None,
@@ -69,18 +78,35 @@ impl ContextLayers {
         for layer in &mut self.layers {
             layer.use_short_kernels(true)?;
         }
-        self.kernels = Some(cuda::warm_up(dtype, shapes));
+        self.kernels = Some(Arc::new(cuda::warm_up(dtype, shapes)));
         Ok(())
+    }
+
+    /// The same layers, sharing their weights (MLX arrays are handles), over an empty
+    /// context of their own: for another sequence drafted at the same time.
+    pub fn fork(&self) -> Self {
+        Self {
+            fc: self.fc.clone(),
+            hidden_norm: self.hidden_norm.clone(),
+            layers: self.layers.clone(),
+            caches: self.layers.iter().map(|_| KvCache::new()).collect(),
+            pending: Vec::new(),
+            tap_width: self.tap_width,
+            dtype: self.dtype,
+            kernels: self.kernels.clone(),
+        }
     }
 
     /// Forgets the context: a new sequence starts.
     pub fn reset(&mut self) {
         self.caches = self.layers.iter().map(|_| KvCache::new()).collect();
+        self.pending.clear();
     }
 
-    /// Context positions cached so far.
+    /// Context positions handed over so far.
     pub fn len(&self) -> usize {
-        self.caches.first().map_or(0, KvCache::offset)
+        let pending: usize = self.pending.iter().map(|h| h.shape()[1] as usize).sum();
+        self.caches.first().map_or(0, KvCache::offset) + pending
     }
 
     pub fn is_empty(&self) -> bool {
@@ -102,12 +128,23 @@ impl ContextLayers {
                 self.tap_width
             )));
         }
-        if shape[1] == 0 {
-            return Ok(());
+        if shape[1] > 0 {
+            self.pending.push(hidden.clone());
         }
+        Ok(())
+    }
+
+    /// Projects the states handed over since the last block into every layer's keys
+    /// and values, in one forward.
+    fn project_pending(&mut self) -> Result<()> {
+        let hidden = match self.pending.len() {
+            0 => return Ok(()),
+            1 => self.pending.remove(0),
+            _ => concatenate(&std::mem::take(&mut self.pending), 1)?,
+        };
         let hidden = match self.dtype {
             Some(d) if d != hidden.dtype() => hidden.as_dtype(d)?,
-            _ => hidden.clone(),
+            _ => hidden,
         };
         let fused = self.hidden_norm.forward(&self.fc.forward(&hidden)?)?;
         for (layer, cache) in self.layers.iter().zip(self.caches.iter_mut()) {
@@ -128,6 +165,7 @@ impl ContextLayers {
     /// mask, so that its shapes stay the same from round to round while the context
     /// grows; elsewhere over the written keys alone.
     pub fn run_block(&mut self, mut x: Array) -> Result<Array> {
+        self.project_pending()?;
         let (context, block) = (self.len(), x.shape()[1]);
         // The kernels read the written keys; MLX's CUDA attention wants the whole buffer.
         let kernels = self.kernels.is_some() && block <= cuda::MAX_ROWS;

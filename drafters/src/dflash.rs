@@ -550,6 +550,18 @@ impl Drafter for DFlashDrafter {
             .context
             .extend("dflash", hidden, "a verified round")
     }
+
+    /// The same weights (shared, not copied) over an empty context.
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        Some(Box::new(Self {
+            config: self.config.clone(),
+            net: DraftNet {
+                context: self.net.context.fork(),
+                norm: self.net.norm.clone(),
+            },
+            dtype: self.dtype,
+        }))
+    }
 }
 
 /// Whether a config.json describes a DFlash drafter.

@@ -398,6 +398,7 @@ impl DSparkConfig {
 }
 
 /// The Markov head: `w2(w1[prev])`, a rank-r correction from the previous token.
+#[derive(Clone)]
 struct MarkovHead {
     w1: Embedding,
     w2: Linear,
@@ -707,6 +708,25 @@ impl Drafter for DSparkDrafter {
         self.model
             .context
             .extend("dspark", hidden, "the verified tokens")
+    }
+
+    /// The same weights (shared, not copied) over an empty context.
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        let m = &self.model;
+        Some(Box::new(Self {
+            cfg: self.cfg.clone(),
+            model: DSparkModel {
+                embed: m.embed.clone(),
+                embed_scale: m.embed_scale,
+                context: m.context.fork(),
+                norm: m.norm.clone(),
+                lm_head: m.lm_head.clone(),
+                softcap: m.softcap,
+                markov: m.markov.clone(),
+                confidence: m.confidence.clone(),
+            },
+            confidence_threshold: self.confidence_threshold,
+        }))
     }
 }
 

@@ -7,14 +7,20 @@
 mod common;
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use mlx_rs::Array;
 
 use dspec_adapters::fixtures::{tiny_experts, with, TINY_QWEN3_5_OVERRIDES};
+use dspec_drafters::dflash::TINY_DFLASH;
+use dspec_drafters::dspark::TINY_DSPARK_QWEN3;
 use dspec_drafters::ngram::NgramDrafter;
 use dspec_engine::decoding::batch::{BatchDecoder, DraftBudget, Finished, NewSequence, SequenceId};
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::LoadedModel;
-use dspec_plugin_api::Drafter;
+use dspec_plugin_api::error::Result as ModelResult;
+use dspec_plugin_api::{Draft, Drafter, DrafterOptions, TargetModel, TokenPicker};
 
 use common::lossless::{chi_square, exact_joint, greedy_path, params, FixedDrafter, SAMPLES};
 use common::tiny_target;
@@ -60,14 +66,14 @@ fn alone(loaded: &LoadedModel, prompt: &[u32], config: &GenerationConfig) -> (Ve
 
 /// The sequences run as one batch, sequence i joining at step `i * join_every`; returns
 /// each one's tokens and text (checked to be the pieces streamed), in the order given,
-/// and the drafts kept in all.
+/// and the drafts verified and kept in all.
 fn batched(
     loaded: &LoadedModel,
     sequences: Vec<(Vec<u32>, GenerationConfig)>,
     drafters: &dyn Fn(usize) -> Option<Box<dyn Drafter>>,
     budget: DraftBudget,
     join_every: usize,
-) -> (Vec<(Vec<u32>, String)>, usize) {
+) -> (Vec<(Vec<u32>, String)>, Drafts) {
     let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 5)
         .with_prefill_positions(40)
         .with_draft_budget(budget);
@@ -106,18 +112,26 @@ fn batched(
         step += 1;
         assert!(step < 10_000, "the batch never finished");
     }
-    let mut kept = 0;
+    let mut drafts = Drafts::default();
     let outputs = finished
         .into_iter()
         .zip(streamed)
         .map(|(f, streamed)| {
             let f = f.expect("every sequence finishes");
             assert_eq!(f.text, streamed, "the streamed pieces make the text");
-            kept += f.speculative.accepted_tokens;
+            drafts.verified += f.speculative.drafted_tokens;
+            drafts.kept += f.speculative.accepted_tokens;
             (f.tokens, f.text)
         })
         .collect();
-    (outputs, kept)
+    (outputs, drafts)
+}
+
+/// Drafts over a batch's sequences.
+#[derive(Default)]
+struct Drafts {
+    verified: usize,
+    kept: usize,
 }
 
 /// A dense target, the hybrid (whose recurrent states roll back rejected drafts) and a
@@ -171,7 +185,7 @@ fn greedy_batches_give_each_sequence_what_it_gets_alone() {
             ("drafts", DraftBudget::Everything, 2),
             ("drafts", DraftBudget::FollowLoad, 1),
         ] {
-            let (got, kept) = batched(
+            let (got, drafts) = batched(
                 &loaded,
                 sequences.clone(),
                 &|i| drafters(kind, &want, i),
@@ -179,7 +193,7 @@ fn greedy_batches_give_each_sequence_what_it_gets_alone() {
                 join_every,
             );
             if budget == DraftBudget::Everything {
-                assert!(kept > 0, "{name}: no draft was ever kept");
+                assert!(drafts.kept > 0, "{name}: no draft was ever kept");
             }
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(
@@ -312,4 +326,223 @@ fn a_bad_sequence_is_refused_alone() {
         }
     }
     assert_eq!(tokens, Some(want.0));
+}
+
+/// Drafts a fixed path, as [`FixedDrafter`] does, while reading the target's states at
+/// two layers as a block drafter does, recording every piece the batch hands it.
+struct StatesRecorder {
+    fixed: FixedDrafter,
+    taps: Vec<usize>,
+    states: Arc<Mutex<Vec<Array>>>,
+}
+
+impl StatesRecorder {
+    fn record(&self, hidden: Option<&Array>, what: &str) -> ModelResult<()> {
+        let hidden = hidden.unwrap_or_else(|| panic!("{what} came without states"));
+        self.states.lock().expect("lock").push(hidden.clone());
+        Ok(())
+    }
+}
+
+impl Drafter for StatesRecorder {
+    fn name(&self) -> &str {
+        "states"
+    }
+    fn taps(&self) -> &[usize] {
+        &self.taps
+    }
+    fn begin(
+        &mut self,
+        target: &dyn TargetModel,
+        prompt: &[u32],
+        hidden: Option<&Array>,
+    ) -> ModelResult<()> {
+        self.states.lock().expect("lock").clear();
+        self.record(hidden, "the prompt")?;
+        self.fixed.begin(target, prompt, hidden)
+    }
+    fn propose(
+        &mut self,
+        target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        picker: &mut dyn TokenPicker,
+    ) -> ModelResult<Draft> {
+        self.fixed.propose(target, last, max_k, picker)
+    }
+    fn commit(&mut self, verified: &[u32], hidden: Option<&Array>) -> ModelResult<()> {
+        self.record(hidden, "a round")?;
+        self.fixed.commit(verified, hidden)
+    }
+}
+
+/// A drafter that reads the target's states (DFlash, DSpark) gets, in a batch, exactly
+/// the states of every position its sequence keeps, in order: the prompt's when it
+/// begins, then each round's fed and kept positions. They equal, within f32 rounding,
+/// the states one forward of the target over the sequence gives at the same layers;
+/// with drafts kept and rejected, sequences joining mid-stream, prompts read in chunks,
+/// for the dense, hybrid and mixture-of-experts targets.
+#[test]
+fn drafters_reading_target_states_get_every_kept_positions_states() {
+    let taps = vec![1, 0];
+    for (name, overrides) in targets() {
+        let (_dir, loaded) = tiny_target(&overrides, 5);
+        let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| (p, config(12 + 5 * i, SamplingParams::default())))
+            .collect();
+        let want: Vec<(Vec<u32>, String)> = sequences
+            .iter()
+            .map(|(p, c)| alone(&loaded, p, c))
+            .collect();
+        for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)] {
+            let recorded: Vec<Arc<Mutex<Vec<Array>>>> =
+                want.iter().map(|_| Arc::default()).collect();
+            let drafter = |i: usize| -> Option<Box<dyn Drafter>> {
+                let mut path = want[i].0.clone();
+                if let Some(t) = path.get_mut(4) {
+                    *t = (*t + 1) % EOS;
+                }
+                Some(Box::new(StatesRecorder {
+                    fixed: FixedDrafter { path, seen: 0 },
+                    taps: taps.clone(),
+                    states: recorded[i].clone(),
+                }))
+            };
+            let (got, drafts) = batched(&loaded, sequences.clone(), &drafter, budget, join_every);
+            if budget == DraftBudget::Everything {
+                assert!(drafts.kept > 0, "{name}: no draft was ever kept");
+            }
+            for (i, ((g, w), (prompt, _))) in got.iter().zip(&want).zip(&sequences).enumerate() {
+                let what = format!("{name}, {budget:?}: sequence {i}");
+                assert_eq!(g, w, "{what}");
+                let pieces = recorded[i].lock().expect("lock");
+                let states = mlx_rs::ops::concatenate(&pieces, 1).expect("concatenate");
+                let held = states.shape()[1] as usize;
+                let sequence: Vec<u32> = prompt.iter().chain(&w.0).copied().collect();
+                assert!(
+                    held + 1 >= sequence.len() && held <= sequence.len(),
+                    "{what}: states of {held} positions for a sequence of {}",
+                    sequence.len()
+                );
+                let ids = Array::from_slice(&sequence[..held], &[1, held as i32]);
+                let mut cache = loaded.model.new_cache();
+                let expected = loaded
+                    .model
+                    .forward(&ids, &mut cache, &taps)
+                    .expect("forward")
+                    .hidden
+                    .expect("states");
+                assert_eq!(states.shape(), expected.shape(), "{what}");
+                let worst = mlx_rs::ops::abs(states.subtract(&expected).expect("subtract"))
+                    .expect("abs")
+                    .max(None)
+                    .expect("max")
+                    .try_item_cast::<f32>()
+                    .expect("read");
+                let largest = mlx_rs::ops::abs(&expected)
+                    .expect("abs")
+                    .max(None)
+                    .expect("max")
+                    .try_item_cast::<f32>()
+                    .expect("read");
+                assert!(
+                    worst <= 1e-4 * largest.max(1.0),
+                    "{what}: states differ by {worst} (largest {largest})"
+                );
+            }
+        }
+    }
+}
+
+/// DFlash and DSpark drafters forked for each sequence, as the server gives them: every
+/// sequence gets what plain decoding gives it alone, and a taught DSpark's drafts are
+/// kept.
+#[test]
+fn block_drafters_forked_per_sequence_keep_each_sequence_exact() {
+    let (_dir, loaded) = tiny_target(r#"{"model_type": "qwen3", "head_dim": 16}"#, 7);
+    let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (p, config(10 + 4 * i, SamplingParams::default())))
+        .collect();
+    let want: Vec<(Vec<u32>, String)> = sequences
+        .iter()
+        .map(|(p, c)| alone(&loaded, p, c))
+        .collect();
+    let dflash_dir = tempfile::tempdir().expect("temp dir");
+    dspec_drafters::dflash::write_random_checkpoint(dflash_dir.path(), TINY_DFLASH, 3)
+        .expect("a DFlash checkpoint");
+    let dspark_dir = tempfile::tempdir().expect("temp dir");
+    dspec_drafters::dspark::write_random_checkpoint(dspark_dir.path(), TINY_DSPARK_QWEN3, 3)
+        .expect("a DSpark checkpoint");
+    // After each token of the sequences' answers, the DSpark drafter proposes the next.
+    let pairs: Vec<(u32, u32)> = want[1].0.windows(2).map(|p| (p[0], p[1])).collect();
+    common::teach_markov_head(dspark_dir.path(), &pairs);
+    let full_precision = DrafterOptions {
+        bits: Some(0),
+        ..DrafterOptions::default()
+    };
+    for (kind, dir) in [("dflash", dflash_dir.path()), ("dspark", dspark_dir.path())] {
+        let server = common::load_checkpoint_drafter(
+            kind,
+            dir,
+            &common::read_config(dir),
+            loaded.model.as_ref(),
+            &full_precision,
+        )
+        .expect("load the drafter");
+        for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)] {
+            let (got, drafts) = batched(
+                &loaded,
+                sequences.clone(),
+                &|_| server.fork(),
+                budget,
+                join_every,
+            );
+            if budget == DraftBudget::Everything {
+                assert!(drafts.verified > 0, "{kind}: no draft was verified");
+                if kind == "dspark" {
+                    assert!(drafts.kept > 0, "the taught DSpark drafter kept nothing");
+                }
+            }
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "{kind}, {budget:?}: sequence {i}");
+            }
+        }
+    }
+}
+
+/// Sequences whose drafters read different layers cannot share a batch (its steps
+/// return one set of states for every row).
+#[test]
+fn drafters_reading_other_layers_are_refused() {
+    let (_dir, loaded) = tiny_target("{}", 4);
+    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 4);
+    let recorder = |taps: Vec<usize>| -> Option<Box<dyn Drafter>> {
+        Some(Box::new(StatesRecorder {
+            fixed: FixedDrafter {
+                path: Vec::new(),
+                seen: 0,
+            },
+            taps,
+            states: Arc::default(),
+        }))
+    };
+    let join = |batch: &mut BatchDecoder, drafter| {
+        batch.add(NewSequence {
+            prompt: prompts()[1].clone(),
+            config: config(8, SamplingParams::default()),
+            drafter,
+            logprobs: None,
+            reused: None,
+        })
+    };
+    join(&mut batch, recorder(vec![0, 1])).expect("joins");
+    join(&mut batch, recorder(vec![0, 1])).expect("the same layers join");
+    join(&mut batch, None).expect("no drafter joins");
+    let err = join(&mut batch, recorder(vec![1])).expect_err("refused");
+    assert!(err.to_string().contains("same drafter"), "{err}");
+    assert_eq!(batch.len(), 3);
 }

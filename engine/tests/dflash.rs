@@ -244,12 +244,15 @@ fn four_bit_drafter_keeps_greedy_output_exact() {
 }
 
 /// Drives a drafter by hand through rounds of a known continuation, checking after
-/// each that its incrementally grown context drafts what a fresh drafter begun on the
-/// whole context drafts.
+/// rounds that its incrementally grown context drafts what a fresh drafter (a fork of
+/// one never begun) begun on the whole context drafts. Some rounds are committed
+/// without a draft after them, as a batch's plain steps are: their states wait to be
+/// projected with the next round's.
 fn check_incremental_context(loaded: &LoadedModel, drafter_dir: &Path, prompt_text: &str) {
     let target = loaded.model.as_ref();
     let options = DrafterOptions::default();
     let mut drafter = load_drafter(drafter_dir, target, &options).unwrap();
+    let unused = load_drafter(drafter_dir, target, &options).unwrap();
     let taps = drafter.taps().to_vec();
     let prompt = loaded.tokenizer.encode_prompt(prompt_text, false).unwrap();
     let truth = greedy(loaded, &prompt, 24);
@@ -266,13 +269,28 @@ fn check_incremental_context(loaded: &LoadedModel, drafter_dir: &Path, prompt_te
     let mut history = prompt.clone();
     let mut position = 0;
     // Rounds that verify 1, 3, 2, 5, … positions, as acceptance would.
-    for (round, verified_len) in [1usize, 3, 2, 5, 1, 4].into_iter().enumerate() {
+    for (round, verified_len) in [1usize, 3, 2, 5, 1, 4, 2].into_iter().enumerate() {
         let last = truth[position];
+        if [2, 3, 5].contains(&round) {
+            // Committed with no draft after it.
+            let verified = &truth[position..position + verified_len];
+            let step = target
+                .forward(
+                    &Array::from_slice(verified, &[1, verified_len as i32]),
+                    &mut cache,
+                    &taps,
+                )
+                .unwrap();
+            drafter.commit(verified, step.hidden.as_ref()).unwrap();
+            history.extend_from_slice(verified);
+            position += verified_len;
+            continue;
+        }
         let mut incremental = Argmax::default();
         let drafted = drafter.propose(target, last, 7, &mut incremental).unwrap();
         assert_eq!(drafted.tokens.len(), 7);
 
-        let mut fresh = load_drafter(drafter_dir, target, &options).unwrap();
+        let mut fresh = unused.fork().expect("a DFlash drafter forks");
         let mut fresh_cache = target.new_cache();
         let whole = target
             .forward(

@@ -1461,6 +1461,54 @@ fn requests_decoded_together_get_what_they_get_one_at_a_time() {
     }
 }
 
+/// A DFlash drafter served with `--max-batch 4`: requests decode together (each with a
+/// fork of the drafter) and every client gets what it gets one at a time.
+#[test]
+fn a_dflash_server_batches_and_answers_as_one_at_a_time() {
+    let drafter = tempfile::tempdir().expect("temp dir");
+    dspec_drafters::dflash::write_random_checkpoint(
+        drafter.path(),
+        dspec_drafters::dflash::TINY_DFLASH,
+        3,
+    )
+    .expect("a DFlash checkpoint");
+    let drafter = drafter.path().to_str().expect("utf-8 path").to_string();
+    let body = |i: usize| {
+        json!({"model": "tiny", "prompt": format!("client {i}: the cat sat on the mat"),
+               "max_tokens": 6 + 3 * i, "temperature": 0})
+    };
+    let alone_server = Server::start(&drafter, &["--max-batch", "1"]);
+    alone_server.wait_for_log("(batch 1,");
+    let alone: Vec<Value> = (0..4)
+        .map(|i| {
+            let (status, answer) = alone_server.post("/v1/completions", &body(i));
+            assert_eq!(status, 200, "{answer}");
+            answer["choices"][0]["text"].clone()
+        })
+        .collect();
+    drop(alone_server);
+    let server = Arc::new(Server::start(&drafter, &["--max-batch", "4"]));
+    server.wait_for_log("(batch 4,");
+    let (answers_tx, answers) = channel();
+    for i in 0..4 {
+        let (server, answers_tx) = (server.clone(), answers_tx.clone());
+        let request = body(i);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10 * i as u64));
+            let (status, answer) = server.post("/v1/completions", &request);
+            assert_eq!(status, 200, "{answer}");
+            let _ = answers_tx.send((i, answer["choices"][0]["text"].clone()));
+        });
+    }
+    drop(answers_tx);
+    for _ in 0..4 {
+        let (i, text) = answers
+            .recv_timeout(Duration::from_secs(120))
+            .expect("every client is answered");
+        assert_eq!(text, alone[i], "client {i}: its text alone");
+    }
+}
+
 /// `--max-batch 2 --queue-size 1`: two long generations run at once, a third waits in
 /// the queue, a fourth is refused with 429. When one of the two running leaves, the
 /// waiting one starts, and the other runs on to the same end it reaches alone.

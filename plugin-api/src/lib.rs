@@ -29,7 +29,8 @@ pub use error::ModelError;
 pub use kv_pool::{KvPool, PoolView, LONGEST_POOLED};
 pub use registry::{AdapterRegistration, AdapterRegistry, AdapterSource, Detection};
 pub use target::{
-    BatchRow, ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, TargetModel,
+    BatchRow, ForwardOutput, LoadOptions, LoadRequest, ModelInfo, Quantization, RowOutput,
+    TargetModel,
 };
 pub use weights::{LoraUpdate, Part, WeightSource};
 

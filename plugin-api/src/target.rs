@@ -62,12 +62,13 @@ pub trait TargetModel: Send {
     /// The final norm applied before `lm_head` in `forward`.
     fn final_norm(&self, hidden: &Array) -> Result<Array>;
 
-    /// Runs several sequences, each over its own cache, and returns each row's wanted
-    /// logits (`[1, n, vocab]` for a row that wants `n > 0`, else `None`). A family that
+    /// Runs several sequences, each over its own cache, and returns what each row
+    /// wants ([`RowOutput`]), with the hidden states after the layers in `taps` as
+    /// [`TargetModel::forward`] gives them (a block drafter's context). A family that
     /// answers [`TargetModel::batches_rows`] runs them in one forward, reading its
     /// weights once for all rows; the default runs them one after another.
-    fn forward_batch(&self, rows: &mut [BatchRow<'_>]) -> Result<Vec<Option<Array>>> {
-        forward_rows_one_by_one(self, rows)
+    fn forward_batch(&self, rows: &mut [BatchRow<'_>], taps: &[usize]) -> Result<Vec<RowOutput>> {
+        forward_rows_one_by_one(self, rows, taps)
     }
 
     /// Whether [`TargetModel::forward_batch`] reads the weights once for all its rows
@@ -87,17 +88,31 @@ pub struct BatchRow<'a> {
     pub logits: usize,
 }
 
+/// What one row of a batched forward gives back.
+pub struct RowOutput {
+    /// The logits of the row's last `logits` positions (`[1, n, vocab]`), `None` where
+    /// it wanted none.
+    pub logits: Option<Array>,
+    /// Where taps were asked for: every position's hidden states after the tapped
+    /// layers, `[1, L, taps × hidden]`.
+    pub hidden: Option<Array>,
+}
+
 /// [`TargetModel::forward_batch`] as a loop of single forwards: what families that do
 /// not batch (plugins) run, and what batched families must agree with.
 pub fn forward_rows_one_by_one<M: TargetModel + ?Sized>(
     model: &M,
     rows: &mut [BatchRow<'_>],
-) -> Result<Vec<Option<Array>>> {
+    taps: &[usize],
+) -> Result<Vec<RowOutput>> {
     rows.iter_mut()
         .map(|row| {
             check_batch_row(row)?;
-            let logits = model.forward(row.tokens, row.cache, &[])?.logits;
-            last_positions(&logits, row.logits)
+            let out = model.forward(row.tokens, row.cache, taps)?;
+            Ok(RowOutput {
+                logits: last_positions(&out.logits, row.logits)?,
+                hidden: out.hidden,
+            })
         })
         .collect()
 }
@@ -195,12 +210,15 @@ impl<'a> TapCollector<'a> {
         if self.taps.is_empty() {
             return Ok(None);
         }
-        let ordered: Vec<&Array> = self
-            .taps
+        Ok(Some(mlx_rs::ops::concatenate(&self.parts(), -1)?))
+    }
+
+    /// The tapped layers' outputs in the order of the taps, each `[1, L, hidden]`.
+    pub fn parts(&self) -> Vec<&Array> {
+        self.taps
             .iter()
             .filter_map(|&t| self.captured.get(t).and_then(Option::as_ref))
-            .collect();
-        Ok(Some(mlx_rs::ops::concatenate(&ordered, -1)?))
+            .collect()
     }
 }
 

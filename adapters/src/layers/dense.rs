@@ -45,6 +45,23 @@ pub(super) struct DenseProduct {
     for_kernels: Option<Array>,
 }
 
+/// A clone shares the weight's buffers (MLX arrays are handles). A copy still pending
+/// is made first, so that clones share it rather than each making its own; where it
+/// cannot be made now, the clone keeps it pending and meets the error at its first product.
+impl Clone for DenseProduct {
+    fn clone(&self) -> Self {
+        let _ = self.weight_t();
+        Self {
+            weight_t: RefCell::new(self.weight_t.borrow().clone()),
+            layout: self.layout,
+            to_copy: RefCell::new(self.to_copy.borrow().clone()),
+            row_weights: RefCell::new(self.row_weights.borrow().clone()),
+            min_rows: self.min_rows,
+            for_kernels: self.for_kernels.clone(),
+        }
+    }
+}
+
 impl DenseProduct {
     pub(super) fn new(weight: Array) -> Self {
         let layout = Layout::for_weight(&weight);

@@ -11,10 +11,12 @@ use super::dense::DenseProduct;
 use super::quantized::{load_quantized, maybe_quantize, Quantized};
 
 /// Token embedding table, usable as the output head when embeddings are tied.
+#[derive(Clone)]
 pub struct Embedding {
     table: Table,
 }
 
+#[derive(Clone)]
 enum Table {
     /// The `[vocab, hidden]` table: rows to gather, and a tied head's weight.
     Dense(DenseProduct),

@@ -44,12 +44,14 @@ pub struct ExpertsSpec {
 const SORT_FROM_ROUTES: usize = 64;
 
 /// One projection of every expert, stacked: `[experts, out, in]`, dense or quantized.
+#[derive(Clone)]
 enum StackedWeight {
     Dense(Array),
     Quantized(Quantized),
 }
 
 /// One projection (gate, up or down) of all the experts of a layer.
+#[derive(Clone)]
 struct StackedLinear {
     weight: StackedWeight,
 }
@@ -205,6 +207,7 @@ fn quantized_stack(
 }
 
 /// The shared expert and the sigmoid gate that scales its output per position.
+#[derive(Clone)]
 struct SharedExpert {
     mlp: GatedMlp,
     gate: Linear,
@@ -212,6 +215,7 @@ struct SharedExpert {
 
 /// A mixture-of-experts MLP: `Σ_k p_k · expert_k(x)` over the `top_k` experts the router
 /// picks, plus `σ(gate · x) · shared(x)` where the layer has a shared expert.
+#[derive(Clone)]
 pub struct SparseMoe {
     router: Linear,
     gate_proj: StackedLinear,

@@ -11,6 +11,7 @@ use super::mlp::GatedMlp;
 use crate::tensor_parallel::TensorParallel;
 
 /// Each kind boxed: they differ in size by hundreds of bytes, and a layer holds one.
+#[derive(Clone)]
 pub enum FeedForward {
     Dense(Box<GatedMlp>),
     Experts(Box<SparseMoe>),

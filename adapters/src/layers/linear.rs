@@ -14,6 +14,7 @@ use super::quantized::{load_quantized, maybe_quantize, Quantized};
 use crate::tensor_parallel::TensorParallel;
 
 /// A linear layer's weight, as its products read it.
+#[derive(Clone)]
 pub(super) enum LinearWeight {
     Dense(DenseProduct),
     Quantized(Quantized),
@@ -30,6 +31,7 @@ impl LinearWeight {
 }
 
 /// `y = x Wᵀ + b`, plus a LoRA update when the weight source carries an adapter for it.
+#[derive(Clone)]
 pub struct Linear {
     pub(super) weight: LinearWeight,
     pub(super) bias: Option<Array>,

@@ -11,6 +11,7 @@ use dspec_plugin_api::error::Result;
 use dspec_plugin_api::LoraUpdate;
 
 /// `scale · (x Aᵀ) Bᵀ`, added to a linear layer's output while the switch is on.
+#[derive(Clone)]
 pub(crate) struct LoraDelta {
     /// `Aᵀ`, `[in, r]`.
     a_t: Array,

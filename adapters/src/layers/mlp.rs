@@ -13,6 +13,7 @@ use super::views::split_last;
 use crate::tensor_parallel::TensorParallel;
 
 /// `down(act(gate(x)) · up(x))`.
+#[derive(Clone)]
 pub struct GatedMlp {
     /// Gate and up, fused into one product (outputs side by side) when both are dense or
     /// quantized alike.
@@ -21,6 +22,7 @@ pub struct GatedMlp {
     act: Activation,
 }
 
+#[derive(Clone)]
 enum GateUp {
     Separate { gate: Linear, up: Linear },
     Fused { both: Linear, inner: i32 },

@@ -14,6 +14,7 @@ pub enum NormWeight {
     OffsetByOne,
 }
 
+#[derive(Clone)]
 pub struct RmsNorm {
     weight: Array,
     eps: f32,

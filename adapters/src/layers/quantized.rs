@@ -10,6 +10,7 @@ use dspec_plugin_api::{LoraUpdate, Part, Quantization, WeightSource};
 use super::lora_delta::merged_weight;
 
 /// Quantized weight parts, as MLX's affine quantization stores them.
+#[derive(Clone)]
 pub(super) struct Quantized {
     pub(super) weight: Array,
     pub(super) scales: Array,

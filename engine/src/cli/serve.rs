@@ -57,9 +57,10 @@ pub struct ServeArgs {
     port: u16,
     /// Requests decoded together, 1 to 256 (default: 32 on a GPU, 16 on the CPU): each step
     /// is one forward over all of them, and requests join and leave between steps. Each
-    /// request drafts for itself; how many drafts a step verifies follows the load. With
-    /// a drafter that runs a model (DFlash, DSpark, `model:DIR`), a plugin's model family
-    /// or a distributed group, requests are served one at a time.
+    /// request drafts for itself (DFlash and DSpark from the step's states of its own
+    /// positions); how many drafts a step verifies follows the load. With a draft model
+    /// (`model:DIR`), a plugin's model family or a distributed group, requests are served
+    /// one at a time.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     max_batch: Option<u32>,
     /// Requests that may wait while the batch is full (1 to 4096); more are answered 429.

@@ -161,9 +161,9 @@ fn join(
         }
     };
     let config = generation_config(&facts.loaded.tokenizer, &request, max_tokens);
-    let reused = prompt_cache
-        .take(&prompt, false)
-        .map(|r| (r.cache, r.reused));
+    // A block drafter reads the target's states at every position: a stored cache
+    // serves it where its states were kept too.
+    let reused = prompt_cache.take(&prompt, !drafter.taps().is_empty());
     let joined = batch.add(NewSequence {
         prompt,
         config,
@@ -232,7 +232,7 @@ fn deliver(
         &finished.prompt,
         &finished.tokens,
         finished.cache,
-        None,
+        finished.states,
     );
     send_done(
         &job.events,

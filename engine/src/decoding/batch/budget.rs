@@ -147,6 +147,10 @@ pub(super) struct StepCosts {
     /// The last decoding step with drafts and the last one without.
     last_drafted: usize,
     last_plain: usize,
+    /// Row counts whose plain step has run: the first at a count is not fitted, since a
+    /// GPU compiles kernels for a batch size new to it in that step (tens to hundreds of
+    /// plain steps' time), which would make every draft look cheap next to it.
+    plain_rows_seen: Vec<usize>,
 }
 
 impl StepCosts {
@@ -158,7 +162,10 @@ impl StepCosts {
         };
         if step.drafts == 0 {
             self.last_plain = self.steps;
-            self.plain.observe(step.rows as f64, seconds);
+            match self.plain_rows_seen.contains(&step.rows) {
+                true => self.plain.observe(step.rows as f64, seconds),
+                false => self.plain_rows_seen.push(step.rows),
+            }
             return;
         }
         self.last_drafted = self.steps;
@@ -376,10 +383,14 @@ mod tests {
 
     /// The plain line from plain steps alone, the draft costs from steps with drafts over
     /// their rows' plain step, and the two parts of those told apart once rows verify
-    /// different numbers of drafts; steps that read prompts change nothing.
+    /// different numbers of drafts; steps that read prompts, and the first plain step at
+    /// each batch size, change nothing.
     #[test]
     fn step_costs_learn_rows_drafts_and_verifying_rows() {
         let mut costs = StepCosts::default();
+        assert!(costs.model().is_none());
+        // The first plain step at a batch size (a GPU compiling its kernels) is not fitted.
+        costs.observe(0.500, decode(4, 0, 0, 4));
         assert!(costs.model().is_none());
         costs.observe(0.010, decode(4, 0, 0, 4));
         let m = costs.model().expect("a model");

@@ -22,15 +22,15 @@ use dspec_plugin_api::{BatchRow, KvPool, TargetModel};
 use dspec_runtime::Backend;
 
 use crate::decoding::logprobs::TokenLogprob;
-use crate::decoding::sampling::{argmax_ids, host_ids, EnginePicker};
+use crate::decoding::sampling::{argmax_ids, host_ids};
 use crate::decoding::speculative::acceptance::{accept_sampled, greedy_prefix, Accepted};
 use crate::error::EngineError;
 use crate::text::tokenizer::TextTokenizer;
 use budget::{
     allocate, allocate_probe, CostModel, DecodeStep, Drafting, Offer, StepCosts, StepFed,
 };
-use sequence::Sequence;
 pub use sequence::{Finished, NewSequence, SequenceId};
+use sequence::{Round, Sequence};
 
 /// Prompt positions a step reads at most, over all sequences joining: enough that a
 /// prompt is read in a few steps, few enough that the sequences decoding meanwhile are
@@ -84,6 +84,9 @@ pub struct BatchDecoder<'m> {
     costs: StepCosts,
     /// Per decoder layer, where the sequences' keys and values live (a slot each).
     pools: Vec<KvPool>,
+    /// The layers whose states block drafters (DFlash, DSpark) read: every sequence
+    /// drafting with one asks for the same, which steps then return for all rows.
+    taps: Vec<usize>,
 }
 
 /// Which of the drafts offered a step verifies.
@@ -119,6 +122,7 @@ impl<'m> BatchDecoder<'m> {
             draft_budget: DraftBudget::FollowLoad,
             costs: StepCosts::default(),
             pools: fresh_pools(model),
+            taps: Vec::new(),
         }
     }
 
@@ -145,8 +149,25 @@ impl<'m> BatchDecoder<'m> {
     /// cannot take (empty, ids past its vocabulary, longer than its context) is refused
     /// here, leaving the others untouched.
     pub fn add(&mut self, new: NewSequence) -> Result<SequenceId, EngineError> {
+        let taps = new
+            .drafter
+            .as_ref()
+            .filter(|d| d.drafts())
+            .map_or(&[][..], |d| d.taps());
+        let reading = self.sequences.iter().any(Sequence::reads_states);
+        if !taps.is_empty() && reading && taps != self.taps.as_slice() {
+            return Err(EngineError::Invalid(format!(
+                "a sequence whose drafter reads the target's layers {taps:?} cannot join a \
+                 batch whose drafters read layers {:?}: give every sequence the same drafter",
+                self.taps
+            )));
+        }
+        let taps = taps.to_vec();
         let id = SequenceId(self.next_id);
         let sequence = Sequence::new(id, self.model, new, self.max_draft, &self.pools)?;
+        if sequence.reads_states() {
+            self.taps = taps;
+        }
         self.next_id += 1;
         self.sequences.push(sequence);
         Ok(id)
@@ -165,6 +186,7 @@ impl<'m> BatchDecoder<'m> {
     fn release_pools_when_idle(&mut self) {
         if self.sequences.is_empty() {
             self.pools = fresh_pools(self.model);
+            self.taps.clear();
         }
     }
 
@@ -213,6 +235,10 @@ impl<'m> BatchDecoder<'m> {
         if positions == 0 {
             return Ok(Vec::new());
         }
+        let taps = match self.sequences.iter().any(Sequence::reads_states) {
+            true => self.taps.clone(),
+            false => Vec::new(),
+        };
         let mut batch: Vec<BatchRow> = self
             .sequences
             .iter_mut()
@@ -230,20 +256,17 @@ impl<'m> BatchDecoder<'m> {
                 })
             })
             .collect();
-        let mut outputs = self.model.forward_batch(&mut batch)?.into_iter();
+        let mut outputs = self.model.forward_batch(&mut batch, &taps)?.into_iter();
         drop(batch);
         // Each decoding row's logits `[n, vocab]`, and under greedy decoding its argmax,
-        // all evaluated with every cache in one wait.
+        // all evaluated with every cache in one wait; each fed row's states at the taps.
         let mut logits: Vec<Option<Array>> = Vec::with_capacity(rows.len());
+        let mut states: Vec<Option<Array>> = Vec::with_capacity(rows.len());
         for row in &rows {
-            logits.push(match row {
-                Some(_) => outputs
-                    .next()
-                    .flatten()
-                    .map(|l| l.try_index(0))
-                    .transpose()?,
-                None => None,
-            });
+            let output = row.as_ref().and_then(|_| outputs.next());
+            let (row_logits, row_states) = output.map_or((None, None), |o| (o.logits, o.hidden));
+            logits.push(row_logits.map(|l| l.try_index(0)).transpose()?);
+            states.push(row_states);
         }
         let greedy: Vec<Option<Array>> = self
             .sequences
@@ -255,22 +278,27 @@ impl<'m> BatchDecoder<'m> {
             })
             .collect::<Result<_, _>>()?;
         let pooled: Vec<Array> = self.pools.iter().flat_map(KvPool::arrays).collect();
+        // The rows' states too: each is an array of its own, and evaluated now it no
+        // longer holds the step's layer outputs.
         mlx_rs::transforms::eval(
             greedy
                 .iter()
                 .flatten()
+                .chain(states.iter().flatten())
                 .chain(&pooled)
                 .chain(self.sequences.iter().flat_map(|s| s.cache.state())),
         )?;
         drop(pooled);
         let mut progress = Vec::new();
         let mut ended = Vec::new();
-        for (i, ((row, logits), greedy)) in rows.into_iter().zip(logits).zip(greedy).enumerate() {
+        let rows_out = rows.into_iter().zip(logits).zip(greedy).zip(states);
+        for (i, (((row, logits), greedy), states)) in rows_out.enumerate() {
             let s = &mut self.sequences[i];
             let (drafts, guess) = match row {
                 None => continue,
                 Some(Row::Prompt(n)) => {
                     s.read += n;
+                    s.keep_states(states);
                     continue;
                 }
                 Some(Row::Decode(drafts, guess)) => (drafts, guess),
@@ -295,8 +323,14 @@ impl<'m> BatchDecoder<'m> {
                 s.observe_guess(guess, token);
             }
             let before = s.generated();
-            let (text, entries, stop) =
-                s.end_round(self.tokenizer, &drafts, accepted, token, Some(&logits))?;
+            let round = Round {
+                drafts: &drafts,
+                accepted,
+                token,
+                logits: Some(&logits),
+                states: states.as_ref(),
+            };
+            let (text, entries, stop) = s.end_round(self.model, self.tokenizer, round)?;
             progress.push(Progress {
                 id: s.id,
                 tokens: s.generated() - before,
@@ -342,7 +376,7 @@ impl<'m> BatchDecoder<'m> {
     fn plan(&mut self) -> Result<Vec<Option<Row>>, EngineError> {
         let mut budget = self.prefill_positions;
         let mut rows = Vec::with_capacity(self.sequences.len());
-        let mut offered: Vec<(usize, Vec<u32>, f64)> = Vec::new();
+        let mut offered: Vec<(usize, Offered, f64)> = Vec::new();
         // Drafts are weighed against the step's decoding rows alone, without the prompt
         // chunks it also reads (their time would make any draft look cheap next to the
         // step's rate).
@@ -376,24 +410,32 @@ impl<'m> BatchDecoder<'m> {
                 (true, false) => s.draft_cap(self.max_draft).min(1),
                 (false, _) => 0,
             };
-            let drafter = s.drafter.as_mut().filter(|d| d.drafts());
-            if let (Some(drafter), true) = (drafter, cap > 0) {
-                let mut picker = EnginePicker {
-                    sampler: s.sampler.as_mut(),
-                };
-                let mut draft = drafter.propose(self.model, s.last, cap, &mut picker)?;
-                draft.truncate(cap)?;
-                let tokens = draft.read()?.to_vec();
-                if !tokens.is_empty() {
-                    offered.push((i, tokens, s.alpha()));
+            let lookup = s
+                .drafter
+                .as_ref()
+                .filter(|d| d.drafts())
+                .map(|d| d.drafts_by_lookup());
+            match (lookup, cap > 0) {
+                (Some(true), true) => {
+                    let tokens = s.propose(self.model, cap)?;
+                    if !tokens.is_empty() {
+                        offered.push((i, Offered::Drafts(tokens), s.alpha()));
+                    }
                 }
+                // A drafter that runs a model drafts only what a step grants: its
+                // forward costs whether or not its drafts are verified.
+                (Some(false), true) if drafting => offered.push((i, Offered::Up(cap), s.alpha())),
+                _ => {}
             }
             rows.push(Some(Row::Decode(Vec::new(), None)));
         }
         let offers: Vec<Offer> = offered
             .iter()
-            .map(|(_, tokens, alpha)| Offer {
-                available: tokens.len(),
+            .map(|(_, offer, alpha)| Offer {
+                available: match offer {
+                    Offered::Drafts(tokens) => tokens.len(),
+                    Offered::Up(cap) => *cap,
+                },
                 alpha: *alpha,
             })
             .collect();
@@ -403,11 +445,26 @@ impl<'m> BatchDecoder<'m> {
             Grant::ByCost(costs) => allocate(&offers, rows_decoding, &costs),
             Grant::Probe(costs) => allocate_probe(&offers, rows_decoding, &costs),
         };
-        for ((i, mut tokens, _), k) in offered.into_iter().zip(granted) {
-            let guess = (k == 0).then(|| tokens.first().copied()).flatten();
-            tokens.truncate(k);
+        for ((i, offer, _), k) in offered.into_iter().zip(granted) {
+            let (tokens, guess) = match offer {
+                Offered::Drafts(mut tokens) => {
+                    let guess = (k == 0).then(|| tokens.first().copied()).flatten();
+                    tokens.truncate(k);
+                    (tokens, guess)
+                }
+                Offered::Up(_) if k == 0 => continue,
+                Offered::Up(_) => (self.sequences[i].propose(self.model, k)?, None),
+            };
             rows[i] = Some(Row::Decode(tokens, guess));
         }
         Ok(rows)
     }
+}
+
+/// What a sequence's drafter offers a step.
+enum Offered {
+    /// Drafts looked up already (free to make, whether verified or not).
+    Drafts(Vec<u32>),
+    /// Up to this many, drafted once granted.
+    Up(usize),
 }

@@ -3,12 +3,15 @@
 
 use std::time::Instant;
 
+use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
 use dspec_plugin_api::{Drafter, KvPool, ModelCache, TargetModel, LONGEST_POOLED};
+use dspec_runtime::slicing::slice_axis;
 
 use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
-use crate::decoding::sampling::Sampler;
+use crate::decoding::prompt_cache::Reused;
+use crate::decoding::sampling::{EnginePicker, Sampler};
 use crate::decoding::session::{
     context_limit, GenerationConfig, GenerationStats, StopReason, TextStream,
 };
@@ -30,8 +33,9 @@ pub struct NewSequence {
     pub drafter: Option<Box<dyn Drafter>>,
     /// Report each generated token's log-probability and its position's `n` likeliest.
     pub logprobs: Option<usize>,
-    /// A cache already holding the prompt's first tokens (a prompt cache's), and how many.
-    pub reused: Option<(ModelCache, usize)>,
+    /// A cache already holding the prompt's first tokens (a prompt cache's), how many,
+    /// and the target's states there where the prompt cache kept them.
+    pub reused: Option<Reused>,
 }
 
 /// A finished sequence: its output, its numbers, and its cache (which holds the prompt
@@ -45,6 +49,21 @@ pub struct Finished {
     /// When asked for: one entry per generated token but an ending EOS.
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub cache: ModelCache,
+    /// With a block drafter: the target's states at its taps for every position the
+    /// cache holds, in pieces (what a prompt cache keeps beside the cache).
+    pub states: Option<Vec<Array>>,
+}
+
+/// What one step did for a decoding sequence: it fed `[last, drafts…]`, the target kept
+/// `accepted` drafts and added `token`.
+pub(super) struct Round<'a> {
+    pub drafts: &'a [u32],
+    pub accepted: usize,
+    pub token: u32,
+    /// The round's rows, for log-probabilities.
+    pub logits: Option<&'a Array>,
+    /// The target's states at the drafter's taps, every position fed.
+    pub states: Option<&'a Array>,
 }
 
 /// How often drafts are kept: decayed counts, so a sequence whose text turns from a copy
@@ -75,6 +94,10 @@ pub(super) struct Sequence {
     kept: f64,
     rejected: f64,
     tally: Tally,
+    /// With a block drafter, which reads the target's states: those of every position
+    /// the cache holds, in pieces. The drafter begins once the prompt's last position
+    /// is read (the first round), with all of them, as a generation alone begins it.
+    states: Option<Vec<Array>>,
 }
 
 impl Sequence {
@@ -103,14 +126,24 @@ impl Sequence {
         if config.max_tokens == 0 {
             return Err(EngineError::Invalid("max_tokens must be at least 1".into()));
         }
-        let (mut cache, mut read) = match reused {
-            Some((cache, reused)) => (cache, reused),
-            None => (model.new_cache(), 0),
+        let reads_states = drafter
+            .as_ref()
+            .is_some_and(|d| d.drafts() && !d.taps().is_empty());
+        // A drafter that reads the target's states needs them for the reused positions
+        // too: a stored cache without them is not used.
+        let reused = reused.filter(|r| !reads_states || r.hidden.is_some());
+        let (mut cache, mut read, mut states) = match reused {
+            Some(r) => (r.cache, r.reused, r.hidden.map(|h| vec![h])),
+            None => (model.new_cache(), 0, None),
         };
         // The prompt's last token is always fed as a decode row.
         if read >= prompt.len() {
             cache.trim(read + 1 - prompt.len())?;
             read = prompt.len() - 1;
+            if let Some(pieces) = states.as_mut() {
+                let whole = concatenate(pieces, 1)?;
+                *pieces = vec![slice_axis(&whole, 1, 0, read as i32)?];
+            }
         }
         let longest = (prompt.len() + config.max_tokens).min(limit);
         cache.reserve_for_generation(longest);
@@ -121,8 +154,10 @@ impl Sequence {
         // Rounds forget rejected drafts: recurrent layers keep that many past states.
         let drafts = drafter.as_ref().is_some_and(|d| d.drafts());
         cache.set_rollback_window(if drafts { max_draft } else { 0 });
-        if let Some(d) = drafter.as_mut() {
-            d.begin(model, &prompt, None)?;
+        match drafter.as_mut() {
+            Some(_) if reads_states => {}
+            Some(d) => d.begin(model, &prompt, None)?,
+            None => {}
         }
         Ok(Self {
             id,
@@ -144,7 +179,37 @@ impl Sequence {
             kept: 0.0,
             rejected: 0.0,
             tally: Tally::new(max_draft),
+            states: reads_states.then(|| states.unwrap_or_default()),
         })
+    }
+
+    /// Whether the drafter reads the target's states at its taps.
+    pub(super) fn reads_states(&self) -> bool {
+        self.states.is_some()
+    }
+
+    /// Keeps the states of positions a step fed and the cache keeps (a prompt chunk's).
+    pub(super) fn keep_states(&mut self, states: Option<Array>) {
+        if let (Some(pieces), Some(h)) = (self.states.as_mut(), states) {
+            pieces.push(h);
+        }
+    }
+
+    /// Up to `k` drafts from the drafter, after the newest token, read to the host.
+    pub(super) fn propose(
+        &mut self,
+        model: &dyn TargetModel,
+        k: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        let Some(drafter) = self.drafter.as_mut() else {
+            return Ok(Vec::new());
+        };
+        let mut picker = EnginePicker {
+            sampler: self.sampler.as_mut(),
+        };
+        let mut draft = drafter.propose(model, self.last, k, &mut picker)?;
+        draft.truncate(k)?;
+        Ok(draft.read()?.to_vec())
     }
 
     /// Tokens committed so far.
@@ -199,13 +264,19 @@ impl Sequence {
     /// if it does.
     pub(super) fn end_round(
         &mut self,
+        model: &dyn TargetModel,
         tokenizer: &TextTokenizer,
-        drafts: &[u32],
-        accepted: usize,
-        token: u32,
-        logits: Option<&Array>,
+        round: Round<'_>,
     ) -> Result<(String, Vec<TokenLogprob>, Option<StopReason>), EngineError> {
-        // The first round fed the prompt's last token, which the drafter began with.
+        let Round {
+            drafts,
+            accepted,
+            token,
+            logits,
+            states,
+        } = round;
+        // The first round fed the prompt's last token: a drafter that reads no states
+        // began with the prompt, one that does begins now.
         let first_round = !self.has_committed();
         self.first_token.get_or_insert_with(Instant::now);
         self.tally.round(drafts.len(), accepted);
@@ -213,11 +284,29 @@ impl Sequence {
             self.kept = self.kept * DECAY + accepted as f64;
             self.rejected = self.rejected * DECAY + f64::from(u8::from(accepted < drafts.len()));
         }
-        if let (Some(d), false) = (self.drafter.as_mut(), first_round) {
-            let mut verified = Vec::with_capacity(accepted + 1);
-            verified.push(self.last);
-            verified.extend_from_slice(&drafts[..accepted]);
-            d.commit(&verified, None)?;
+        // The states of the positions kept: the fed token's and the kept drafts'.
+        let kept_states = match (&self.states, states) {
+            (Some(_), Some(h)) => Some(slice_axis(h, 1, 0, 1 + accepted as i32)?),
+            (Some(_), None) => {
+                return Err(EngineError::Mlx(
+                    "a batched step gave no states at the drafter's taps".into(),
+                ))
+            }
+            _ => None,
+        };
+        self.keep_states(kept_states.clone());
+        match (self.drafter.as_mut(), &self.states) {
+            (Some(d), Some(pieces)) if first_round => {
+                let prompt_states = concatenate(pieces, 1)?;
+                d.begin(model, &self.prompt, Some(&prompt_states))?;
+            }
+            (Some(d), _) if !first_round => {
+                let mut verified = Vec::with_capacity(accepted + 1);
+                verified.push(self.last);
+                verified.extend_from_slice(&drafts[..accepted]);
+                d.commit(&verified, kept_states.as_ref())?;
+            }
+            _ => {}
         }
         let committed: Vec<u32> = drafts[..accepted].iter().copied().chain([token]).collect();
         let entries = match (self.logprobs, logits) {
@@ -301,6 +390,7 @@ impl Sequence {
             speculative,
             logprobs: self.logprobs.map(|_| self.all_logprobs),
             cache: self.cache,
+            states: self.states,
         };
         Ok((rest, finished))
     }
