@@ -489,7 +489,10 @@ mod tests {
                 // 4 tokens in 26 ms against plain 2 rows' 2 in 10 ms: probes only, one
                 // in 64 to 80 steps once they keep losing.
                 2 => {
-                    let late = drafted[drafted.len() - 128..].iter().filter(|&&d| d).count();
+                    let late = drafted[drafted.len() - 128..]
+                        .iter()
+                        .filter(|&&d| d)
+                        .count();
                     assert!((1..=2).contains(&late), "{late} of 128 steps drafted");
                 }
                 // 8 tokens in 26 ms: all but the plain probes, within a probe interval.
