@@ -546,3 +546,90 @@ fn drafters_reading_other_layers_are_refused() {
     assert!(err.to_string().contains("same drafter"), "{err}");
     assert_eq!(batch.len(), 3);
 }
+
+/// Drafts by sampling from the target itself, with the request's own sampler: its
+/// drafts' distributions are the target's, so a round that weighs each draft by the
+/// distribution it was drawn from keeps every one.
+struct SampledTwin {
+    sequence: Vec<u32>,
+}
+
+impl Drafter for SampledTwin {
+    fn name(&self) -> &str {
+        "sampled twin"
+    }
+    fn begin(&mut self, _: &dyn TargetModel, prompt: &[u32], _: Option<&Array>) -> ModelResult<()> {
+        self.sequence = prompt.to_vec();
+        Ok(())
+    }
+    fn propose(
+        &mut self,
+        target: &dyn TargetModel,
+        last: u32,
+        max_k: usize,
+        picker: &mut dyn TokenPicker,
+    ) -> ModelResult<Draft> {
+        let mut cache = target.new_cache();
+        let ids: Vec<u32> = self.sequence.iter().copied().chain([last]).collect();
+        let mut logits = target
+            .forward(
+                &Array::from_slice(&ids, &[1, ids.len() as i32]),
+                &mut cache,
+                &[],
+            )?
+            .logits;
+        let mut draft = Draft::default();
+        for _ in 0..max_k {
+            let n = logits.shape()[1];
+            let row = mlx_rs::ops::indexing::TryIndexOp::try_index(&logits, (0, n - 1..n, ..))?;
+            let picked = picker.pick(&row)?;
+            let token = picked.tokens[0];
+            draft.extend(picked)?;
+            logits = target
+                .forward(&Array::from_slice(&[token], &[1, 1]), &mut cache, &[])?
+                .logits;
+        }
+        Ok(draft)
+    }
+    fn commit(&mut self, verified: &[u32], _: Option<&Array>) -> ModelResult<()> {
+        self.sequence.extend_from_slice(verified);
+        Ok(())
+    }
+}
+
+/// A batched round weighs each sampled draft by the distribution the drafter drew it
+/// from (the drafter's q), not as a certain proposal: a drafter whose q is the target's
+/// own has every draft kept.
+#[test]
+fn sampled_drafts_are_weighed_by_the_distribution_they_came_from() {
+    let (_dir, loaded) = tiny_target("{}", 3);
+    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 3)
+        .with_draft_budget(DraftBudget::Everything);
+    for i in 0..8u64 {
+        batch
+            .add(NewSequence {
+                prompt: prompts()[(i % 6) as usize].clone(),
+                config: config(10, params(i * 31 + 7)),
+                drafter: Some(Box::new(SampledTwin {
+                    sequence: Vec::new(),
+                })),
+                logprobs: None,
+                reused: None,
+            })
+            .expect("joins");
+    }
+    let (mut drafted, mut kept) = (0, 0);
+    while !batch.is_empty() {
+        for p in batch.step().expect("a step") {
+            if let Some(done) = p.finished {
+                drafted += done.speculative.drafted_tokens;
+                kept += done.speculative.accepted_tokens;
+            }
+        }
+    }
+    assert!(drafted > 0, "nothing was drafted");
+    assert_eq!(
+        kept, drafted,
+        "every draft the target's own sampler drew is kept"
+    );
+}

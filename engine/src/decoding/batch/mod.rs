@@ -18,7 +18,7 @@ use std::time::Instant;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::Array;
 
-use dspec_plugin_api::{BatchRow, KvPool, TargetModel};
+use dspec_plugin_api::{BatchRow, Draft, KvPool, TargetModel};
 use dspec_runtime::Backend;
 
 use crate::decoding::logprobs::TokenLogprob;
@@ -103,9 +103,16 @@ enum Grant {
 enum Row {
     /// A chunk of its prompt, for the cache only.
     Prompt(usize),
-    /// Its newest token, then its drafts; and the first draft offered when none was
-    /// granted, to be checked against the step's token.
-    Decode(Vec<u32>, Option<u32>),
+    /// Its newest token, then its drafts.
+    Decode {
+        drafts: Vec<u32>,
+        /// The first draft offered when none was granted, to be checked against the
+        /// step's token.
+        guess: Option<u32>,
+        /// The distributions the drafts were sampled from (`[drafts, vocab]`), where the
+        /// drafter sampled them; else each is taken as certain (one-hot).
+        q: Option<Array>,
+    },
 }
 
 impl<'m> BatchDecoder<'m> {
@@ -216,7 +223,7 @@ impl<'m> BatchDecoder<'m> {
                         let ids = &s.prompt[s.read..s.read + n];
                         Array::from_slice(ids, &[1, *n as i32])
                     }
-                    Row::Decode(drafts, _) => {
+                    Row::Decode { drafts, .. } => {
                         let ids: Vec<u32> = [s.last].iter().chain(drafts).copied().collect();
                         Array::from_slice(&ids, &[1, ids.len() as i32])
                     }
@@ -227,7 +234,7 @@ impl<'m> BatchDecoder<'m> {
         let decoding: Vec<usize> = rows
             .iter()
             .filter_map(|r| match r {
-                Some(Row::Decode(drafts, _)) => Some(drafts.len()),
+                Some(Row::Decode { drafts, .. }) => Some(drafts.len()),
                 _ => None,
             })
             .collect();
@@ -250,7 +257,7 @@ impl<'m> BatchDecoder<'m> {
                     tokens,
                     logits: match row {
                         Row::Prompt(_) => 0,
-                        Row::Decode(drafts, _) => drafts.len() + 1,
+                        Row::Decode { drafts, .. } => drafts.len() + 1,
                     },
                     cache: &mut s.cache,
                 })
@@ -294,14 +301,14 @@ impl<'m> BatchDecoder<'m> {
         let rows_out = rows.into_iter().zip(logits).zip(greedy).zip(states);
         for (i, (((row, logits), greedy), states)) in rows_out.enumerate() {
             let s = &mut self.sequences[i];
-            let (drafts, guess) = match row {
+            let (drafts, guess, q) = match row {
                 None => continue,
                 Some(Row::Prompt(n)) => {
                     s.read += n;
                     s.keep_states(states);
                     continue;
                 }
-                Some(Row::Decode(drafts, guess)) => (drafts, guess),
+                Some(Row::Decode { drafts, guess, q }) => (drafts, guess, q),
             };
             let logits = logits.ok_or_else(|| {
                 EngineError::Mlx("a decoding row of a batched step got no logits".into())
@@ -310,7 +317,7 @@ impl<'m> BatchDecoder<'m> {
                 drafts: accepted,
                 token,
             } = match s.sampler.as_mut() {
-                Some(sampler) => accept_sampled(&logits, &drafts, None, sampler)?,
+                Some(sampler) => accept_sampled(&logits, &drafts, q.as_ref(), sampler)?,
                 None => {
                     let argmax = greedy.as_ref().ok_or_else(|| {
                         EngineError::Mlx("a greedy row of a batched step got no argmax".into())
@@ -417,9 +424,9 @@ impl<'m> BatchDecoder<'m> {
                 .map(|d| d.drafts_by_lookup());
             match (lookup, cap > 0) {
                 (Some(true), true) => {
-                    let tokens = s.propose(self.model, cap)?;
-                    if !tokens.is_empty() {
-                        offered.push((i, Offered::Drafts(tokens), s.alpha()));
+                    let draft = s.propose(self.model, cap)?;
+                    if !draft.tokens.is_empty() {
+                        offered.push((i, Offered::Drafts(draft), s.alpha()));
                     }
                 }
                 // A drafter that runs a model drafts only what a step grants: its
@@ -427,13 +434,17 @@ impl<'m> BatchDecoder<'m> {
                 (Some(false), true) if drafting => offered.push((i, Offered::Up(cap), s.alpha())),
                 _ => {}
             }
-            rows.push(Some(Row::Decode(Vec::new(), None)));
+            rows.push(Some(Row::Decode {
+                drafts: Vec::new(),
+                guess: None,
+                q: None,
+            }));
         }
         let offers: Vec<Offer> = offered
             .iter()
             .map(|(_, offer, alpha)| Offer {
                 available: match offer {
-                    Offered::Drafts(tokens) => tokens.len(),
+                    Offered::Drafts(draft) => draft.tokens.len(),
                     Offered::Up(cap) => *cap,
                 },
                 alpha: *alpha,
@@ -446,16 +457,26 @@ impl<'m> BatchDecoder<'m> {
             Grant::Probe(costs) => allocate_probe(&offers, rows_decoding, &costs),
         };
         for ((i, offer, _), k) in offered.into_iter().zip(granted) {
-            let (tokens, guess) = match offer {
-                Offered::Drafts(mut tokens) => {
-                    let guess = (k == 0).then(|| tokens.first().copied()).flatten();
-                    tokens.truncate(k);
-                    (tokens, guess)
+            rows[i] = Some(match offer {
+                Offered::Drafts(mut draft) => {
+                    let guess = (k == 0).then(|| draft.tokens.first().copied()).flatten();
+                    draft.truncate(k)?;
+                    Row::Decode {
+                        drafts: draft.tokens,
+                        guess,
+                        q: draft.probs,
+                    }
                 }
                 Offered::Up(_) if k == 0 => continue,
-                Offered::Up(_) => (self.sequences[i].propose(self.model, k)?, None),
-            };
-            rows[i] = Some(Row::Decode(tokens, guess));
+                Offered::Up(_) => {
+                    let draft = self.sequences[i].propose(self.model, k)?;
+                    Row::Decode {
+                        drafts: draft.tokens,
+                        guess: None,
+                        q: draft.probs,
+                    }
+                }
+            });
         }
         Ok(rows)
     }
@@ -463,8 +484,8 @@ impl<'m> BatchDecoder<'m> {
 
 /// What a sequence's drafter offers a step.
 enum Offered {
-    /// Drafts looked up already (free to make, whether verified or not).
-    Drafts(Vec<u32>),
+    /// Drafts looked up already (free to make, whether verified or not), read.
+    Drafts(Draft),
     /// Up to this many, drafted once granted.
     Up(usize),
 }

@@ -6,7 +6,7 @@ use std::time::Instant;
 use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
 
-use dspec_plugin_api::{Drafter, KvPool, ModelCache, TargetModel, LONGEST_POOLED};
+use dspec_plugin_api::{Draft, Drafter, KvPool, ModelCache, TargetModel, LONGEST_POOLED};
 use dspec_runtime::slicing::slice_axis;
 
 use crate::decoding::logprobs::{token_logprobs, TokenLogprob};
@@ -195,21 +195,23 @@ impl Sequence {
         }
     }
 
-    /// Up to `k` drafts from the drafter, after the newest token, read to the host.
+    /// Up to `k` drafts from the drafter, after the newest token, read to the host
+    /// (with the distributions they were sampled from, where they were).
     pub(super) fn propose(
         &mut self,
         model: &dyn TargetModel,
         k: usize,
-    ) -> Result<Vec<u32>, EngineError> {
+    ) -> Result<Draft, EngineError> {
         let Some(drafter) = self.drafter.as_mut() else {
-            return Ok(Vec::new());
+            return Ok(Draft::default());
         };
         let mut picker = EnginePicker {
             sampler: self.sampler.as_mut(),
         };
         let mut draft = drafter.propose(model, self.last, k, &mut picker)?;
         draft.truncate(k)?;
-        Ok(draft.read()?.to_vec())
+        draft.read()?;
+        Ok(draft)
     }
 
     /// Tokens committed so far.
