@@ -150,19 +150,37 @@ fn targets() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// No drafter; n-gram lookup for even sequences and, for odd ones, their own greedy
-/// continuation with one token changed (drafts kept and rejected for sure).
+/// The greedy sequences of the tests (prompts of every length, 12 to 37 tokens each),
+/// and what each gets decoded alone.
+#[allow(clippy::type_complexity)]
+fn greedy_sequences(
+    loaded: &LoadedModel,
+) -> (Vec<(Vec<u32>, GenerationConfig)>, Vec<(Vec<u32>, String)>) {
+    let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (p, config(12 + 5 * i, SamplingParams::default())))
+        .collect();
+    let want = sequences.iter().map(|(p, c)| alone(loaded, p, c)).collect();
+    (sequences, want)
+}
+
+/// A sequence's own greedy continuation with one token changed: drafts from it are
+/// kept and rejected for sure.
+fn changed_path(want: &(Vec<u32>, String)) -> FixedDrafter {
+    let mut path = want.0.clone();
+    if let Some(t) = path.get_mut(4) {
+        *t = (*t + 1) % EOS;
+    }
+    FixedDrafter { path, seen: 0 }
+}
+
+/// No drafter; n-gram lookup for even sequences and, for odd ones, [`changed_path`].
 fn drafters(kind: &str, want: &[(Vec<u32>, String)], i: usize) -> Option<Box<dyn Drafter>> {
     match kind {
         "none" => None,
         _ if i.is_multiple_of(2) => Some(Box::new(NgramDrafter::new(3))),
-        _ => {
-            let mut path = want[i].0.clone();
-            if let Some(t) = path.get_mut(4) {
-                *t = (*t + 1) % EOS;
-            }
-            Some(Box::new(FixedDrafter { path, seen: 0 }))
-        }
+        _ => Some(Box::new(changed_path(&want[i]))),
     }
 }
 
@@ -170,15 +188,7 @@ fn drafters(kind: &str, want: &[(Vec<u32>, String)], i: usize) -> Option<Box<dyn
 fn greedy_batches_give_each_sequence_what_it_gets_alone() {
     for (name, overrides) in targets() {
         let (_dir, loaded) = tiny_target(&overrides, 5);
-        let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
-            .into_iter()
-            .enumerate()
-            .map(|(i, p)| (p, config(12 + 5 * i, SamplingParams::default())))
-            .collect();
-        let want: Vec<(Vec<u32>, String)> = sequences
-            .iter()
-            .map(|(p, c)| alone(&loaded, p, c))
-            .collect();
+        let (sequences, want) = greedy_sequences(&loaded);
         for (kind, budget, join_every) in [
             ("none", DraftBudget::FollowLoad, 0),
             ("none", DraftBudget::FollowLoad, 3),
@@ -387,25 +397,13 @@ fn drafters_reading_target_states_get_every_kept_positions_states() {
     let taps = vec![1, 0];
     for (name, overrides) in targets() {
         let (_dir, loaded) = tiny_target(&overrides, 5);
-        let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
-            .into_iter()
-            .enumerate()
-            .map(|(i, p)| (p, config(12 + 5 * i, SamplingParams::default())))
-            .collect();
-        let want: Vec<(Vec<u32>, String)> = sequences
-            .iter()
-            .map(|(p, c)| alone(&loaded, p, c))
-            .collect();
+        let (sequences, want) = greedy_sequences(&loaded);
         for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)] {
             let recorded: Vec<Arc<Mutex<Vec<Array>>>> =
                 want.iter().map(|_| Arc::default()).collect();
             let drafter = |i: usize| -> Option<Box<dyn Drafter>> {
-                let mut path = want[i].0.clone();
-                if let Some(t) = path.get_mut(4) {
-                    *t = (*t + 1) % EOS;
-                }
                 Some(Box::new(StatesRecorder {
-                    fixed: FixedDrafter { path, seen: 0 },
+                    fixed: changed_path(&want[i]),
                     taps: taps.clone(),
                     states: recorded[i].clone(),
                 }))

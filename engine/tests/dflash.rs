@@ -271,57 +271,17 @@ fn check_incremental_context(loaded: &LoadedModel, drafter_dir: &Path, prompt_te
     // Rounds that verify 1, 3, 2, 5, … positions, as acceptance would.
     for (round, verified_len) in [1usize, 3, 2, 5, 1, 4, 2].into_iter().enumerate() {
         let last = truth[position];
-        if [2, 3, 5].contains(&round) {
-            // Committed with no draft after it.
-            let verified = &truth[position..position + verified_len];
-            let step = target
-                .forward(
-                    &Array::from_slice(verified, &[1, verified_len as i32]),
-                    &mut cache,
-                    &taps,
-                )
-                .unwrap();
-            drafter.commit(verified, step.hidden.as_ref()).unwrap();
-            history.extend_from_slice(verified);
-            position += verified_len;
-            continue;
+        // Rounds 2, 3 and 5 are committed with no draft after them.
+        if ![2, 3, 5].contains(&round) {
+            check_drafts(
+                &mut *drafter,
+                unused.as_ref(),
+                loaded,
+                &history,
+                last,
+                round,
+            );
         }
-        let mut incremental = Argmax::default();
-        let drafted = drafter.propose(target, last, 7, &mut incremental).unwrap();
-        assert_eq!(drafted.tokens.len(), 7);
-
-        let mut fresh = unused.fork().expect("a DFlash drafter forks");
-        let mut fresh_cache = target.new_cache();
-        let whole = target
-            .forward(
-                &Array::from_slice(&history, &[1, history.len() as i32]),
-                &mut fresh_cache,
-                &taps,
-            )
-            .unwrap();
-        fresh
-            .begin(target, &history, whole.hidden.as_ref())
-            .unwrap();
-        let mut from_scratch = Argmax::default();
-        let redrafted = fresh.propose(target, last, 7, &mut from_scratch).unwrap();
-        let diff = max_abs_diff(&incremental.logits[0], &from_scratch.logits[0]);
-        assert!(
-            diff < 1e-3,
-            "round {round}: incremental and from-scratch logits differ by {diff}"
-        );
-        assert_eq!(drafted.tokens, redrafted.tokens, "round {round}");
-        // Left on the device for the verify, as the engine's picker lets it: the same
-        // drafts, unread until asked for.
-        let mut lazily = drafter.propose(target, last, 7, &mut DeviceArgmax).unwrap();
-        assert!(
-            lazily.on_device.is_some(),
-            "round {round}: drafts read early"
-        );
-        assert_eq!(
-            lazily.read().unwrap(),
-            drafted.tokens.as_slice(),
-            "round {round}"
-        );
 
         // Commit `verified_len` true tokens, with the target's hidden states at them.
         let verified = &truth[position..position + verified_len];
@@ -336,6 +296,54 @@ fn check_incremental_context(loaded: &LoadedModel, drafter_dir: &Path, prompt_te
         history.extend_from_slice(verified);
         position += verified_len;
     }
+}
+
+/// `drafter`'s drafts after `last` equal those of a fork of `unused` begun on the whole
+/// of `history`, read at once or left on the device.
+fn check_drafts(
+    drafter: &mut dyn Drafter,
+    unused: &dyn Drafter,
+    loaded: &LoadedModel,
+    history: &[u32],
+    last: u32,
+    round: usize,
+) {
+    let target = loaded.model.as_ref();
+    let taps = drafter.taps().to_vec();
+    let mut incremental = Argmax::default();
+    let drafted = drafter.propose(target, last, 7, &mut incremental).unwrap();
+    assert_eq!(drafted.tokens.len(), 7);
+
+    let mut fresh = unused.fork().expect("a DFlash drafter forks");
+    let mut fresh_cache = target.new_cache();
+    let whole = target
+        .forward(
+            &Array::from_slice(history, &[1, history.len() as i32]),
+            &mut fresh_cache,
+            &taps,
+        )
+        .unwrap();
+    fresh.begin(target, history, whole.hidden.as_ref()).unwrap();
+    let mut from_scratch = Argmax::default();
+    let redrafted = fresh.propose(target, last, 7, &mut from_scratch).unwrap();
+    let diff = max_abs_diff(&incremental.logits[0], &from_scratch.logits[0]);
+    assert!(
+        diff < 1e-3,
+        "round {round}: incremental and from-scratch logits differ by {diff}"
+    );
+    assert_eq!(drafted.tokens, redrafted.tokens, "round {round}");
+    // Left on the device for the verify, as the engine's picker lets it: the same
+    // drafts, unread until asked for.
+    let mut lazily = drafter.propose(target, last, 7, &mut DeviceArgmax).unwrap();
+    assert!(
+        lazily.on_device.is_some(),
+        "round {round}: drafts read early"
+    );
+    assert_eq!(
+        lazily.read().unwrap(),
+        drafted.tokens.as_slice(),
+        "round {round}"
+    );
 }
 
 #[test]

@@ -132,18 +132,17 @@ impl Sequence {
         // A drafter that reads the target's states needs them for the reused positions
         // too: a stored cache without them is not used.
         let reused = reused.filter(|r| !reads_states || r.hidden.is_some());
-        let (mut cache, mut read, mut states) = match reused {
-            Some(r) => (r.cache, r.reused, r.hidden.map(|h| vec![h])),
+        let (mut cache, mut read, mut reused_states) = match reused {
+            Some(r) => (r.cache, r.reused, r.hidden),
             None => (model.new_cache(), 0, None),
         };
         // The prompt's last token is always fed as a decode row.
         if read >= prompt.len() {
             cache.trim(read + 1 - prompt.len())?;
             read = prompt.len() - 1;
-            if let Some(pieces) = states.as_mut() {
-                let whole = concatenate(pieces, 1)?;
-                *pieces = vec![slice_axis(&whole, 1, 0, read as i32)?];
-            }
+            reused_states = reused_states
+                .map(|h| slice_axis(&h, 1, 0, read as i32))
+                .transpose()?;
         }
         let longest = (prompt.len() + config.max_tokens).min(limit);
         cache.reserve_for_generation(longest);
@@ -179,7 +178,7 @@ impl Sequence {
             kept: 0.0,
             rejected: 0.0,
             tally: Tally::new(max_draft),
-            states: reads_states.then(|| states.unwrap_or_default()),
+            states: reads_states.then(|| reused_states.into_iter().collect()),
         })
     }
 
