@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
 # ON THE GPU MACHINE, from the project root, after `eval "$(bash .gpu/setup.sh)"`: trains a
-# drafter for the real Qwen2.5-Coder-1.5B-Instruct and measures it against dspec's own plain
-# greedy decoding on held-out code prompts, all in one invocation.
+# drafter for the real Qwen2.5-Coder-1.5B-Instruct on its own answers to code prompts, then
+# measures it against dspec's own plain greedy decoding on held-out code prompts.
 #
-# Carried beforehand (HERE: bash scripts/gpu-prepare.sh, then
-# ../shared/gpu/chunk.sh ~/.cache/dspec/models/qwen15.gguf qwen15.gguf, one part per run):
+# Carried beforehand (HERE: bash scripts/gpu-prepare.sh; python3 scripts/code-prompts.py
+# .gpu/train; split -b 54M -d -a 2 ~/.cache/dspec/models/qwen15.gguf .gpu/chunks/qwen15.gguf/part,
+# then one run per part carrying [".gpu/chunks/qwen15.gguf/partNN"], back to back):
 #   .gpu/bench/dspec.xz            this checkout's release build
 #   .gpu/chunks/qwen15.gguf/part*  the GGUF of scripts/fetch-models.sh qwen15, in parts
-#   .gpu/train/code.jsonl.xz       training text: {"text": ...} lines of Python source
-#                                  (the standard library's; no HumanEval or MBPP)
+#   .gpu/train/train.jsonl         training prompts ({"prompt": ...}; no HumanEval or MBPP)
 #   .gpu/train/eval.jsonl, eval.txt  held-out code prompts (JSONL for --eval, lines for bench)
 #
-# Usage: bash scripts/gpu-train-drafter.sh [--kind dflash|dspark] [--steps N] [any other
-#        train-drafter flags]
+# Usage: bash scripts/gpu-train-drafter.sh [--kind dflash|dspark] [--for SECONDS] [--resume]
+#        [any other train-drafter flags]
+# A device run lasts 10 minutes at most: `--for S` stops training after S seconds (it saves,
+# as Ctrl-C does), and a second run with `--resume` and the same flags continues on the same
+# machine while it is still warm. The answers the target writes are cached in the drafter's
+# directory, so a stop while they are written loses none. Once training ends, the drafter is
+# measured with `dspec bench` and packed into $OUT in parts (drafter.tar.xz.partNN) for the
+# CPU bench here.
 # Writes to $OUT (or ./gpu-train-out): train.log, log.jsonl, bench.json, config.json.
 set -euo pipefail
 kind=dflash
-if [ "${1:-}" = "--kind" ]; then kind=$2; shift 2; fi
+seconds=0
+resume=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --kind) kind=$2; shift 2 ;;
+    --for) seconds=$2; shift 2 ;;
+    --resume) resume=(--resume); shift ;;
+    *) break ;;
+  esac
+done
 out=${OUT:-gpu-train-out}
 mkdir -p "$out" .gpu/work
 dspec=.gpu/work/dspec
@@ -31,16 +46,24 @@ if [ ! -f "$gguf" ]; then
 fi
 target=.gpu/work/qwen15
 [ -f "$target/config.json" ] || "$dspec" convert "$gguf" "$target" --dtype bf16
-data=.gpu/work/code.jsonl
-[ -f "$data" ] || xz -dc .gpu/train/code.jsonl.xz > "$data"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 
 drafter=.gpu/work/drafter-$kind
 start=$(date +%s)
-"$dspec" train-drafter --target "$target" --kind "$kind" --data "$data" --out "$drafter" \
-  --eval .gpu/train/eval.jsonl --eval-tokens 128 "$@" 2>&1 | tee "$out/train.log"
-echo "training took $(( $(date +%s) - start )) s" | tee -a "$out/train.log"
-cp "$drafter/training/log.jsonl" "$drafter/config.json" "$out/"
+status=0
+limit=()
+[ "$seconds" -gt 0 ] && limit=(timeout -s INT "$seconds")
+"${limit[@]}" "$dspec" train-drafter --target "$target" --kind "$kind" \
+  --data .gpu/train/train.jsonl --out "$drafter" --eval .gpu/train/eval.jsonl \
+  --eval-tokens 128 "${resume[@]}" "$@" > "$out/train.log" 2>&1 || status=$?
+tr '\r' '\n' < "$out/train.log" | grep -v '^$' | tail -n 40
+echo "this run trained for $(( $(date +%s) - start )) s"
+[ -f "$drafter/training/log.jsonl" ] && cp "$drafter/training/log.jsonl" "$out/"
+if [ "$status" -ne 0 ]; then
+  [ "$status" -eq 124 ] && { echo "stopped after $seconds s: run again with --resume and the same flags"; exit 0; }
+  exit "$status"
+fi
+cp "$drafter/config.json" "$out/"
 "$dspec" bench --target "$target" --drafter "$drafter" --prompts .gpu/train/eval.txt \
   --max-tokens 128 --json > "$out/bench.json" 2> "$out/bench.err" || { cat "$out/bench.err"; exit 1; }
 python3 - "$out/bench.json" <<'EOF'
@@ -50,3 +73,5 @@ print("bench: tau", r.get("tau"), "speedup", r.get("speedup"), "identical", r.ge
       "near ties", r.get("near_ties"), "real mismatches", r.get("real_mismatches"))
 print("round cost", json.dumps(r.get("round_cost")))
 EOF
+tar -C "$drafter" -cf - config.json model.safetensors | xz -1 -T0 | split -b 15M -d -a 2 - "$out/drafter.tar.xz.part"
+ls -la "$out"

@@ -20,7 +20,7 @@ use dspec_engine::training::data::Example;
 use dspec_engine::training::net::{block_hidden, initial_params};
 use dspec_engine::training::objective::dspark_logits;
 use dspec_engine::training::spec::{drafter_spec, target_config, DrafterKind};
-use dspec_engine::training::trainer::frozen_tensors;
+use dspec_engine::training::trainer::{fit_to_target, frozen_tensors};
 use dspec_plugin_api::DrafterOptions;
 
 /// Random tokens of the tiny byte-level vocabulary (bytes only).
@@ -125,6 +125,52 @@ fn training_matches_inference(kind: DrafterKind) {
         let diff = max_abs_diff(&ours, &inferred);
         assert!(diff < 1e-4, "anchor {anchor}: logits differ by {diff}");
     }
+}
+
+/// A fresh drafter starts at the target's scales: its final norm as the target's own
+/// (what the target's head was trained on), and `fc` taking each tap channel at unit
+/// RMS over the first example.
+#[test]
+fn a_fresh_drafter_starts_at_the_targets_scales() {
+    let (dir, loaded) = tiny_target("{}", 6);
+    let (_, common) = target_config(dir.path()).unwrap();
+    let taps = vec![0, 1];
+    let spec = drafter_spec(DrafterKind::Dflash, &common, "float32", 1, 4, taps.clone()).unwrap();
+    let mut params = initial_params(&spec.shape.tensors(), 1);
+    let fresh_fc = params.get("fc.weight").unwrap().clone();
+    let tokens = random_tokens(&mut ChaCha8Rng::seed_from_u64(3), 24);
+    let example = Example {
+        tokens: tokens.clone(),
+        first_label: 1,
+        soft: true,
+        line: 1,
+    };
+    let target = loaded.model.as_ref();
+    fit_to_target(&mut params, target, &spec, &[example]).unwrap();
+
+    let weights = Array::load_safetensors(dir.path().join("model.safetensors")).unwrap();
+    let target_norm = &weights["model.norm.weight"];
+    let ones = mlx_rs::ops::ones_like(target_norm).unwrap();
+    assert!(
+        max_abs_diff(target_norm, &ones) > 0.05,
+        "the fixture's norm is all ones: the check below would not tell"
+    );
+    assert!(max_abs_diff(params.get("norm.weight").unwrap(), target_norm) < 1e-4);
+
+    let mut cache = target.new_cache();
+    let out = target
+        .forward(&Array::from_slice(&tokens, &[1, 24]), &mut cache, &taps)
+        .unwrap();
+    let states = out.hidden.unwrap().reshape(&[24, -1]).unwrap();
+    let rms = states
+        .square()
+        .unwrap()
+        .mean_axis(0, false)
+        .unwrap()
+        .sqrt()
+        .unwrap();
+    let fitted = params.get("fc.weight").unwrap().multiply(&rms).unwrap();
+    assert!(max_abs_diff(&fitted, &fresh_fc) < 1e-3);
 }
 
 #[test]

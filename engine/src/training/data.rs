@@ -15,7 +15,8 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::answers::{answer_seed, hash_tokens, target_fingerprint, AnswerCache, AnswerKey};
-use crate::decoding::generate::{check_prompt_ids, generate, GenerationConfig};
+use crate::decoding::batch::{BatchDecoder, NewSequence, SequenceId};
+use crate::decoding::generate::{check_prompt_ids, GenerationConfig};
 use crate::decoding::sampling::SamplingParams;
 use crate::error::EngineError;
 use crate::loading::LoadedModel;
@@ -436,8 +437,25 @@ impl Planner<'_> {
     }
 }
 
-/// Generates the answers `cache` lacks, each once (as long as its longest request) and
-/// saved at once; returns how many it generated.
+/// How many answers the target writes at once, in one batch: a batch step reads the
+/// weights once for all its sequences, so a GPU writes dozens nearly as fast as one; a
+/// CPU's step grows with each sequence, and a few already fill its cores.
+fn answers_at_once(loaded: &LoadedModel) -> usize {
+    match dspec_runtime::Backend::current() {
+        dspec_runtime::Backend::Cpu => 8,
+        _ => 64,
+    }
+    .min(if loaded.model.batches_rows() {
+        usize::MAX
+    } else {
+        1
+    })
+}
+
+/// Generates the answers `cache` lacks, each once (as long as its longest request),
+/// several at once in one batch, each saved as soon as it ends; returns how many it
+/// generated. Batched decoding writes what plain decoding writes alone (token for token
+/// in f32; at a bf16 near-tie either token may come out).
 fn generate_missing(
     path: &Path,
     planned: &[(usize, Plan)],
@@ -465,28 +483,53 @@ fn generate_missing(
     }
     let greedy = options.temperature == 0.0;
     progress(0, missing.len());
-    for (done, (line, prompt, key, limit)) in missing.iter().enumerate() {
-        let config = GenerationConfig {
-            max_tokens: *limit,
-            sampling: SamplingParams {
-                temperature: options.temperature,
-                seed: (!greedy).then_some(key.seed),
-                ..SamplingParams::default()
-            },
-            stop_strings: Vec::new(),
-            eos_ids: loaded.tokenizer.eos_token_ids().to_vec(),
-        };
-        let answer = generate(
-            loaded.model.as_ref(),
-            &loaded.tokenizer,
-            prompt,
-            &config,
-            &mut |_| {},
-        )
-        .map_err(|e| line_error(path, *line, &format!("generating the answer: {e}")))?
-        .tokens;
-        cache.append(*key, *limit, answer)?;
-        progress(done + 1, missing.len());
+    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 0);
+    let mut waiting = missing.iter();
+    let mut writing: HashMap<SequenceId, (AnswerKey, usize)> = HashMap::new();
+    let at_once = answers_at_once(loaded);
+    let mut done = 0;
+    loop {
+        while writing.len() < at_once {
+            let Some((line, prompt, key, limit)) = waiting.next() else {
+                break;
+            };
+            let config = GenerationConfig {
+                max_tokens: *limit,
+                sampling: SamplingParams {
+                    temperature: options.temperature,
+                    seed: (!greedy).then_some(key.seed),
+                    ..SamplingParams::default()
+                },
+                stop_strings: Vec::new(),
+                eos_ids: loaded.tokenizer.eos_token_ids().to_vec(),
+            };
+            let id = batch
+                .add(NewSequence {
+                    prompt: prompt.to_vec(),
+                    config,
+                    drafter: None,
+                    logprobs: None,
+                    reused: None,
+                })
+                .map_err(|e| line_error(path, *line, &format!("generating the answer: {e}")))?;
+            writing.insert(id, (*key, *limit));
+        }
+        if writing.is_empty() {
+            break;
+        }
+        let stepped = batch.step().map_err(|e| {
+            EngineError::Invalid(format!("{}: generating the answers: {e}", path.display()))
+        })?;
+        for (id, answer) in stepped
+            .into_iter()
+            .filter_map(|p| p.finished.map(|f| (p.id, f)))
+        {
+            if let Some((key, limit)) = writing.remove(&id) {
+                cache.append(key, limit, answer.tokens)?;
+                done += 1;
+                progress(done, missing.len());
+            }
+        }
     }
     Ok(missing.len())
 }
@@ -542,6 +585,7 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
+    use crate::decoding::generate::generate;
     use crate::loading::{builtin_registry, load_model};
     use crate::text::chat_template::ChatTemplate;
     use crate::tiny_model::write_tiny_model;
@@ -700,6 +744,47 @@ mod tests {
             .expect("encode");
         assert_eq!(examples[0].first_label, prompt.len());
         assert_eq!(examples[0].tokens[..prompt.len()], prompt[..]);
+    }
+
+    /// More prompts than one batch holds, of different lengths: every answer, greedy or
+    /// sampled, is what plain decoding writes for its prompt alone, and progress counts
+    /// each answer once.
+    #[test]
+    fn answers_written_in_batches_are_plain_decodings_answers() {
+        let (_model, loaded) = tiny_target(3);
+        let dir = tempfile::tempdir().expect("temp dir");
+        let texts: Vec<String> = (0..answers_at_once(&loaded) + 3)
+            .map(|i| "abcdefghij"[..1 + i % 10].repeat(1 + i / 4))
+            .collect();
+        let lines: Vec<String> = texts
+            .iter()
+            .map(|p| serde_json::json!({ "prompt": p }).to_string())
+            .collect();
+        let data = write_data(dir.path(), &lines);
+        for (options, temperature) in [(greedy(20), 0.0), (sampled(0.8, 7), 0.8)] {
+            let cache = dir.path().join(format!("answers-{temperature}.jsonl"));
+            let (examples, summary, reports) = load(&data, &loaded, &options, &cache);
+            assert_eq!(summary.generated, texts.len());
+            let counts: Vec<usize> = reports.iter().map(|r| r.0).collect();
+            assert_eq!(counts, (0..=texts.len()).collect::<Vec<_>>());
+            // A line whose answer is its EOS alone is left out: pair examples by line.
+            assert_eq!(examples.len() + summary.skipped, texts.len());
+            for example in &examples {
+                let text = &texts[example.line - 1];
+                let prompt = templated(&loaded, &user(text));
+                let sampling = SamplingParams {
+                    temperature,
+                    seed: (temperature > 0.0).then(|| answer_seed(7, hash_tokens(&prompt), 0)),
+                    ..SamplingParams::default()
+                };
+                let answer = generated(&loaded, &prompt, options.answer_tokens, sampling);
+                assert_eq!(
+                    example.tokens[prompt.len()..],
+                    answer[..],
+                    "{text:?} at {temperature}"
+                );
+            }
+        }
     }
 
     #[test]
