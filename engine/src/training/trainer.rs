@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::Instant;
 
-use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::optimizers::{AdamW, Optimizer};
 use mlx_rs::transforms::keyed_value_and_grad;
 use mlx_rs::Array;
@@ -111,7 +110,7 @@ pub fn train(
         (saved.params, saved.state.step)
     } else {
         let mut params = initial_params(&spec.shape.tensors(), options.seed);
-        fit_to_target(&mut params, target, spec, examples)?;
+        fit_fc_to_taps(&mut params, target, spec, examples)?;
         (params, 0)
     };
     let rate = LearningRate {
@@ -292,19 +291,12 @@ fn train_step(
     Ok((loss, correct / weight.max(1e-9)))
 }
 
-/// Fits two of the fresh parameters to the target, from its states on the first example:
-///
-/// - `fc`'s input columns are scaled by the inverse of each tap channel's RMS, so that
-///   every channel starts on the same footing. Real targets' residual streams carry a few
-///   channels thousands of times larger than the rest; a fan-in initialisation would let
-///   those drown out every other channel of the context, which the drafter would then
-///   have to unlearn.
-/// - The final `norm` starts as the target's own final norm scales each channel. The
-///   drafter's last rows meet the target's head, which was trained on what that norm
-///   puts out (real models scale some channels up several-fold): a norm at one would
-///   start the drafter with flat logits and lopsided channels, and take many steps to
-///   grow into the head's scale.
-pub fn fit_to_target(
+/// Scales each input column of the fresh `fc` by the inverse of its channel's RMS in the
+/// target's tap states (measured on the first example), so that every channel starts on
+/// the same footing. Real targets' residual streams carry a few channels thousands of
+/// times larger than the rest; a fan-in initialisation would let those drown out every
+/// other channel of the context, which the drafter would then have to unlearn.
+pub fn fit_fc_to_taps(
     params: &mut Params,
     target: &dyn dspec_plugin_api::TargetModel,
     spec: &DrafterSpec,
@@ -314,38 +306,19 @@ pub fn fit_to_target(
         return Ok(());
     };
     let t = first.tokens.len() as i32;
-    let last = target.info().num_layers.saturating_sub(1);
-    let mut taps = spec.taps.clone();
-    taps.push(last);
     let mut cache = target.new_cache();
     let out = target.forward(
         &Array::from_slice(&first.tokens, &[1, t]),
         &mut cache,
-        &taps,
+        &spec.taps,
     )?;
     let Some(hidden) = out.hidden else {
         return Ok(());
     };
-    let hidden = hidden.reshape(&[t, -1])?.as_dtype(mlx_rs::Dtype::Float32)?;
-    let width = target.info().hidden_size as i32;
-    let tapped = hidden.try_index((.., ..spec.shape.tap_width))?;
+    let taps = hidden.reshape(&[t, -1])?.as_dtype(mlx_rs::Dtype::Float32)?;
     let fc: Rc<str> = Rc::from("fc.weight");
     if let Some(weight) = params.get_mut(&fc) {
-        *weight = weight.divide(channel_rms(&tapped)?.reshape(&[1, -1])?)?;
-        weight.eval()?;
-    }
-    // What the target's norm makes of its last states, channel by channel, over what a
-    // plain RMS normalisation makes of them: the norm's scale per channel (exactly its
-    // weight where it is an RMS norm).
-    let states = hidden.try_index((.., spec.shape.tap_width..spec.shape.tap_width + width))?;
-    let normed = target
-        .final_norm(&states.as_dtype(target.info().dtype)?)?
-        .as_dtype(mlx_rs::Dtype::Float32)?;
-    let plain = mlx_rs::fast::rms_norm(&states, None, spec.shape.eps)?;
-    let scale = channel_rms(&normed)?.divide(channel_rms(&plain)?)?;
-    let norm: Rc<str> = Rc::from("norm.weight");
-    if let Some(weight) = params.get_mut(&norm) {
-        *weight = scale;
+        *weight = weight.divide(channel_rms(&taps)?.reshape(&[1, -1])?)?;
         weight.eval()?;
     }
     Ok(())
