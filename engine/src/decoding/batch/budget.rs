@@ -32,11 +32,14 @@ const DECAY: f64 = 0.9;
 /// the last probe, else it is plain where every step since the last probe drafted; so
 /// both the plain line and the draft costs keep being measured whatever the load.
 const PROBE_EVERY: usize = 16;
-/// A probe whose drafts lost (committed slower than plain steps of its rows would have)
-/// doubles the steps to the next one that verifies drafts, up to this many; one that
-/// won brings them back to [`PROBE_EVERY`]. A probe costs what its drafts cost, a few
-/// plain steps' time where the drafter runs a model, so drafts that never pay are
-/// tried seldom, and drafts that start to pay are back within this many steps.
+/// Where a drafter runs a model, a probe whose drafts lost (committed slower than plain
+/// steps of its rows would have) doubles the steps to the next one that verifies
+/// drafts, up to this many; one that won brings them back to [`PROBE_EVERY`]. Such a
+/// probe costs the drafter's forward, a few plain steps' time, so drafts that never pay
+/// are tried seldom, and drafts that start to pay are back within this many steps. A
+/// lookup drafter's probe costs only the positions it verifies, and its drafts often
+/// start to pay at once (an answer that begins to copy its prompt): it keeps probing
+/// every [`PROBE_EVERY`] steps.
 const PROBE_EVERY_MOST: usize = 64;
 
 /// What a step does with the drafts offered.
@@ -71,6 +74,8 @@ pub(super) struct DecodeStep {
     pub verifying: usize,
     /// Tokens committed.
     pub committed: usize,
+    /// Some of the drafts came from a drafter that runs a model.
+    pub from_models: bool,
 }
 
 /// What steps cost, in seconds.
@@ -187,7 +192,7 @@ impl StepCosts {
         let equivalent = step.committed as f64 * plain / step.rows as f64;
         self.drafted_seconds = self.drafted_seconds * DECAY + seconds;
         self.plain_equivalent = self.plain_equivalent * DECAY + equivalent;
-        self.draft_probe_every = match equivalent >= seconds {
+        self.draft_probe_every = match equivalent >= seconds || !step.from_models {
             true => PROBE_EVERY,
             false => (self.draft_probe_interval() * 2).min(PROBE_EVERY_MOST),
         };
@@ -329,12 +334,25 @@ mod tests {
         }
     }
 
+    /// A decoding step whose drafts (if any) a drafter running a model drafted.
     fn decode(rows: usize, drafts: usize, verifying: usize, committed: usize) -> StepFed {
         StepFed::Decode(DecodeStep {
             rows,
             drafts,
             verifying,
             committed,
+            from_models: true,
+        })
+    }
+
+    /// The same step with drafts from a lookup drafter.
+    fn looked_up(rows: usize, drafts: usize, verifying: usize, committed: usize) -> StepFed {
+        StepFed::Decode(DecodeStep {
+            rows,
+            drafts,
+            verifying,
+            committed,
+            from_models: false,
         })
     }
 
@@ -501,6 +519,35 @@ mod tests {
                     assert!(late >= 56, "{late} of 64 steps drafted");
                 }
             }
+        }
+    }
+
+    /// Lookup drafts that lose are still probed as often as at first (a probe costs only
+    /// its positions), where a model drafter's probes back off.
+    #[test]
+    fn losing_lookup_drafts_keep_being_probed() {
+        let truth = model(0.008, 0.001, 0.002, 0.0);
+        type Fed = fn(usize, usize, usize, usize) -> StepFed;
+        for (fed, probes) in [(looked_up as Fed, 4..=5), (decode as Fed, 1..=2)] {
+            let mut costs = StepCosts::default();
+            for _ in 0..2 {
+                costs.observe(truth.plain_seconds(2), decode(2, 0, 0, 2));
+            }
+            let mut drafted = Vec::new();
+            for _ in 0..256 {
+                let draft = costs.drafting() != Drafting::Off;
+                // Drafts commit 2 tokens in 26 ms against plain 2 rows' 2 in 10 ms.
+                match draft {
+                    true => {
+                        let seconds = truth.plain_seconds(2) + 8.0 * truth.per_draft;
+                        costs.observe(seconds, fed(2, 8, 2, 2));
+                    }
+                    false => costs.observe(truth.plain_seconds(2), decode(2, 0, 0, 2)),
+                }
+                drafted.push(draft);
+            }
+            let late = drafted[128..].iter().filter(|&&d| d).count();
+            assert!(probes.contains(&late), "{late} of 128 steps drafted");
         }
     }
 

@@ -238,6 +238,12 @@ impl<'m> BatchDecoder<'m> {
                 _ => None,
             })
             .collect();
+        // Whether a drafter that runs a model drafted any of the drafts verified: probing
+        // such drafts costs that drafter's forward too.
+        let from_models = self.sequences.iter().zip(&rows).any(|(s, row)| {
+            matches!(row, Some(Row::Decode { drafts, .. }) if !drafts.is_empty())
+                && s.drafter.as_ref().is_some_and(|d| !d.drafts_by_lookup())
+        });
         let read_prompts = rows.iter().any(|r| matches!(r, Some(Row::Prompt(_))));
         if positions == 0 {
             return Ok(Vec::new());
@@ -357,6 +363,7 @@ impl<'m> BatchDecoder<'m> {
                 drafts: decoding.iter().sum(),
                 verifying: decoding.iter().filter(|&&d| d > 0).count(),
                 committed,
+                from_models,
             }),
         };
         self.costs.observe(start.elapsed().as_secs_f64(), fed);
