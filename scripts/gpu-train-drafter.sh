@@ -17,8 +17,9 @@
 # as Ctrl-C does), and a second run with `--resume` and the same flags continues on the same
 # machine while it is still warm. The answers the target writes are cached in the drafter's
 # directory, so a stop while they are written loses none. Once training ends, the drafter is
-# measured with `dspec bench` and packed into $OUT in parts (drafter.tar.xz.partNN) for the
-# CPU bench here.
+# measured with `dspec bench` and packed into $OUT with its weights rounded to 8 bits
+# (scripts/drafter_int8.py; a run returns at most 64 MiB), for the CPU bench here:
+#   python3 scripts/drafter_int8.py unpack FILES_AT ./drafter   (needs numpy, safetensors)
 # Writes to $OUT (or ./gpu-train-out): train.log, log.jsonl, bench.json, config.json.
 set -euo pipefail
 kind=dflash
@@ -73,5 +74,5 @@ print("bench: tau", r.get("tau"), "speedup", r.get("speedup"), "identical", r.ge
       "near ties", r.get("near_ties"), "real mismatches", r.get("real_mismatches"))
 print("round cost", json.dumps(r.get("round_cost")))
 EOF
-tar -C "$drafter" -cf - config.json model.safetensors | xz -1 -T0 | split -b 15M -d -a 2 - "$out/drafter.tar.xz.part"
+python3 scripts/drafter_int8.py pack "$drafter" "$out"
 ls -la "$out"
