@@ -438,12 +438,13 @@ impl Planner<'_> {
 }
 
 /// How many answers the target writes at once, in one batch: a batch step reads the
-/// weights once for all its sequences, so a GPU writes dozens nearly as fast as one; a
-/// CPU's step grows with each sequence, and a few already fill its cores.
+/// weights once for all its sequences, so a GPU writes dozens nearly as fast as one (as
+/// many as `dspec serve` batches by default, whose keys and values a Mac's memory holds
+/// too); a CPU's step grows with each sequence, and a few already fill its cores.
 fn answers_at_once(loaded: &LoadedModel) -> usize {
     match dspec_runtime::Backend::current() {
         dspec_runtime::Backend::Cpu => 8,
-        _ => 64,
+        _ => 32,
     }
     .min(if loaded.model.batches_rows() {
         usize::MAX
