@@ -289,6 +289,17 @@ fn a_trained_drafter_keeps_drafts_on_held_out_prompts(kind: DrafterKind) {
         .filter_map(|v| v["loss"].as_f64())
         .collect();
     assert_eq!(losses.len(), 300);
+    // Each step says where its time went: the target's forwards, and the drafter's
+    // forward, backward and update.
+    for line in log.lines().filter(|l| l.contains("\"loss\"")) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        for part in ["target_seconds", "drafter_seconds"] {
+            assert!(
+                v[part].as_f64().is_some_and(|s| s > 0.0),
+                "{part} in {line}"
+            );
+        }
+    }
     let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
     assert!(
         mean(&losses[280..]) < 0.75 * mean(&losses[..20]),

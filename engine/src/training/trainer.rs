@@ -148,6 +148,7 @@ pub fn train(
     for step in first_step..total {
         let (batch, epoch) = plan.batch(step);
         let mut rng = anchor_rng(options.seed, step);
+        let preparing = Instant::now();
         let mut sequences = Vec::with_capacity(batch.len());
         for &i in &batch {
             let anchors = pick_anchors(&examples[i], options.anchors, &spec.layout, &mut rng);
@@ -167,6 +168,8 @@ pub fn train(
         if sequences.is_empty() {
             continue;
         }
+        let target_seconds = preparing.elapsed().as_secs_f64();
+        let stepping = Instant::now();
         let lr = rate.at(step);
         let (loss, accuracy) = train_step(
             loaded,
@@ -177,6 +180,7 @@ pub fn train(
             lr,
             options.clip,
         )?;
+        let drafter_seconds = stepping.elapsed().as_secs_f64();
         tokens_done += batch
             .iter()
             .map(|&i| examples[i].tokens.len())
@@ -184,7 +188,8 @@ pub fn train(
         let tokens_per_second = tokens_done as f64 / started.elapsed().as_secs_f64().max(1e-9);
         write_log(
             json!({"step": step + 1, "epoch": epoch, "loss": loss, "accuracy": accuracy,
-                         "lr": lr, "tokens_per_second": tokens_per_second}),
+                   "lr": lr, "tokens_per_second": tokens_per_second,
+                   "target_seconds": target_seconds, "drafter_seconds": drafter_seconds}),
         )?;
         progress(Progress::Step {
             step: step + 1,
