@@ -20,7 +20,8 @@
 # measured with `dspec bench` and packed into $OUT with its weights rounded to 8 bits
 # (scripts/drafter_int8.py; a run returns at most 64 MiB), for the CPU bench here:
 #   python3 scripts/drafter_int8.py unpack FILES_AT ./drafter   (needs numpy, safetensors)
-# Writes to $OUT (or ./gpu-train-out): train.log, log.jsonl, bench.json, config.json.
+# Writes to $OUT (or ./gpu-train-out): train.log, log.jsonl, bench.json, and the drafter's
+# config.json and weights in parts: eight files at most, as many as a run returns.
 set -euo pipefail
 kind=dflash
 seconds=0
@@ -47,7 +48,7 @@ if [ ! -f "$gguf" ]; then
 fi
 target=.gpu/work/qwen15
 [ -f "$target/config.json" ] || "$dspec" convert "$gguf" "$target" --dtype bf16
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 drafter=.gpu/work/drafter-$kind
 start=$(date +%s)
@@ -64,9 +65,8 @@ if [ "$status" -ne 0 ]; then
   [ "$status" -eq 124 ] && { echo "stopped after $seconds s: run again with --resume and the same flags"; exit 0; }
   exit "$status"
 fi
-cp "$drafter/config.json" "$out/"
 "$dspec" bench --target "$target" --drafter "$drafter" --prompts .gpu/train/eval.txt \
-  --max-tokens 128 --json > "$out/bench.json" 2> "$out/bench.err" || { cat "$out/bench.err"; exit 1; }
+  --max-tokens 128 --json > "$out/bench.json" 2> .gpu/work/bench.err || { cat .gpu/work/bench.err; exit 1; }
 python3 - "$out/bench.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))["report"]

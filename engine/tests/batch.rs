@@ -23,7 +23,7 @@ use dspec_plugin_api::error::Result as ModelResult;
 use dspec_plugin_api::{Draft, Drafter, DrafterOptions, TargetModel, TokenPicker};
 
 use common::lossless::{chi_square, exact_joint, greedy_path, params, FixedDrafter, SAMPLES};
-use common::tiny_target;
+use common::{max_abs_diff, tiny_target};
 
 /// The ids of the tiny models' end-of-text token.
 const EOS: u32 = 256;
@@ -150,16 +150,18 @@ fn targets() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The greedy sequences of the tests (prompts of every length, 12 to 37 tokens each),
-/// and what each gets decoded alone.
+/// Greedy sequences of every prompt, the i-th generating up to `first + step · i`
+/// tokens, and what each gets decoded alone.
 #[allow(clippy::type_complexity)]
 fn greedy_sequences(
     loaded: &LoadedModel,
+    first: usize,
+    step: usize,
 ) -> (Vec<(Vec<u32>, GenerationConfig)>, Vec<(Vec<u32>, String)>) {
     let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
         .into_iter()
         .enumerate()
-        .map(|(i, p)| (p, config(12 + 5 * i, SamplingParams::default())))
+        .map(|(i, p)| (p, config(first + step * i, SamplingParams::default())))
         .collect();
     let want = sequences.iter().map(|(p, c)| alone(loaded, p, c)).collect();
     (sequences, want)
@@ -188,7 +190,7 @@ fn drafters(kind: &str, want: &[(Vec<u32>, String)], i: usize) -> Option<Box<dyn
 fn greedy_batches_give_each_sequence_what_it_gets_alone() {
     for (name, overrides) in targets() {
         let (_dir, loaded) = tiny_target(&overrides, 5);
-        let (sequences, want) = greedy_sequences(&loaded);
+        let (sequences, want) = greedy_sequences(&loaded, 12, 5);
         for (kind, budget, join_every) in [
             ("none", DraftBudget::FollowLoad, 0),
             ("none", DraftBudget::FollowLoad, 3),
@@ -397,7 +399,7 @@ fn drafters_reading_target_states_get_every_kept_positions_states() {
     let taps = vec![1, 0];
     for (name, overrides) in targets() {
         let (_dir, loaded) = tiny_target(&overrides, 5);
-        let (sequences, want) = greedy_sequences(&loaded);
+        let (sequences, want) = greedy_sequences(&loaded, 12, 5);
         for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)] {
             let recorded: Vec<Arc<Mutex<Vec<Array>>>> =
                 want.iter().map(|_| Arc::default()).collect();
@@ -433,18 +435,9 @@ fn drafters_reading_target_states_get_every_kept_positions_states() {
                     .hidden
                     .expect("states");
                 assert_eq!(states.shape(), expected.shape(), "{what}");
-                let worst = mlx_rs::ops::abs(states.subtract(&expected).expect("subtract"))
-                    .expect("abs")
-                    .max(None)
-                    .expect("max")
-                    .try_item_cast::<f32>()
-                    .expect("read");
-                let largest = mlx_rs::ops::abs(&expected)
-                    .expect("abs")
-                    .max(None)
-                    .expect("max")
-                    .try_item_cast::<f32>()
-                    .expect("read");
+                let worst = max_abs_diff(&states, &expected);
+                let zeros = mlx_rs::ops::zeros_like(&expected).expect("zeros");
+                let largest = max_abs_diff(&expected, &zeros);
                 assert!(
                     worst <= 1e-4 * largest.max(1.0),
                     "{what}: states differ by {worst} (largest {largest})"
@@ -460,15 +453,7 @@ fn drafters_reading_target_states_get_every_kept_positions_states() {
 #[test]
 fn block_drafters_forked_per_sequence_keep_each_sequence_exact() {
     let (_dir, loaded) = tiny_target(r#"{"model_type": "qwen3", "head_dim": 16}"#, 7);
-    let sequences: Vec<(Vec<u32>, GenerationConfig)> = prompts()
-        .into_iter()
-        .enumerate()
-        .map(|(i, p)| (p, config(10 + 4 * i, SamplingParams::default())))
-        .collect();
-    let want: Vec<(Vec<u32>, String)> = sequences
-        .iter()
-        .map(|(p, c)| alone(&loaded, p, c))
-        .collect();
+    let (sequences, want) = greedy_sequences(&loaded, 10, 4);
     let dflash_dir = tempfile::tempdir().expect("temp dir");
     dspec_drafters::dflash::write_random_checkpoint(dflash_dir.path(), TINY_DFLASH, 3)
         .expect("a DFlash checkpoint");

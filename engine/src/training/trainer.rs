@@ -321,21 +321,17 @@ pub fn fit_fc_to_taps(
         return Ok(());
     };
     let taps = hidden.reshape(&[t, -1])?.as_dtype(mlx_rs::Dtype::Float32)?;
-    let fc: Rc<str> = Rc::from("fc.weight");
-    if let Some(weight) = params.get_mut(&fc) {
-        *weight = weight.divide(channel_rms(&taps)?.reshape(&[1, -1])?)?;
-        weight.eval()?;
-    }
-    Ok(())
-}
-
-/// Each channel's root mean square over the rows of `x` (`[rows, channels]`), kept off
-/// zero.
-fn channel_rms(x: &Array) -> Result<Array> {
-    Ok(x.square()?
+    let rms = taps
+        .square()?
         .mean_axis(0, false)?
         .sqrt()?
-        .add(Array::from_f32(1e-6))?)
+        .add(Array::from_f32(1e-6))?;
+    let name: Rc<str> = Rc::from("fc.weight");
+    if let Some(fc) = params.get_mut(&name) {
+        *fc = fc.divide(rms.reshape(&[1, -1])?)?;
+        fc.eval()?;
+    }
+    Ok(())
 }
 
 /// What a DSpark checkpoint holds of the target's, frozen: its embedding table and its

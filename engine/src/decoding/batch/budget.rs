@@ -28,9 +28,11 @@ const UNTIMED_ROW_SHARE: f64 = 1.0 / 32.0;
 /// 10 such steps count, so that one step slowed by something else (a GPU compiling
 /// kernels for a shape it had not met) is soon outweighed.
 const DECAY: f64 = 0.9;
-/// A step in this many is a probe: it verifies drafts where none were verified since
-/// the last probe, else it is plain where every step since the last probe drafted; so
-/// both the plain line and the draft costs keep being measured whatever the load.
+/// Probes fall on every step of this many: one verifies drafts where no step has for
+/// more than the probe interval (so while drafts are off, one step in twice this many
+/// at the first interval), else it is plain where every step for more than this many
+/// drafted; so both the plain line and the draft costs keep being measured whatever
+/// the load.
 const PROBE_EVERY: usize = 16;
 /// Where a drafter runs a model, a probe whose drafts lost (committed slower than plain
 /// steps of its rows would have) doubles the steps to the next one that verifies
@@ -38,8 +40,8 @@ const PROBE_EVERY: usize = 16;
 /// probe costs the drafter's forward, a few plain steps' time, so drafts that never pay
 /// are tried seldom, and drafts that start to pay are back within this many steps. A
 /// lookup drafter's probe costs only the positions it verifies, and its drafts often
-/// start to pay at once (an answer that begins to copy its prompt): it keeps probing
-/// every [`PROBE_EVERY`] steps.
+/// start to pay at once (an answer that begins to copy its prompt): its probes keep
+/// their first interval.
 const PROBE_EVERY_MOST: usize = 64;
 
 /// What a step does with the drafts offered.

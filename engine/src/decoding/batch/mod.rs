@@ -248,9 +248,9 @@ impl<'m> BatchDecoder<'m> {
         if positions == 0 {
             return Ok(Vec::new());
         }
-        let taps = match self.sequences.iter().any(Sequence::reads_states) {
-            true => self.taps.clone(),
-            false => Vec::new(),
+        let taps: &[usize] = match self.sequences.iter().any(Sequence::reads_states) {
+            true => &self.taps,
+            false => &[],
         };
         let mut batch: Vec<BatchRow> = self
             .sequences
@@ -269,7 +269,7 @@ impl<'m> BatchDecoder<'m> {
                 })
             })
             .collect();
-        let mut outputs = self.model.forward_batch(&mut batch, &taps)?.into_iter();
+        let mut outputs = self.model.forward_batch(&mut batch, taps)?.into_iter();
         drop(batch);
         // Each decoding row's logits `[n, vocab]`, and under greedy decoding its argmax,
         // all evaluated with every cache in one wait; each fed row's states at the taps.
