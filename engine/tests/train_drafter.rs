@@ -14,13 +14,13 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use common::{load_checkpoint_drafter, max_abs_diff, read_config, tiny_target, Argmax};
-use dspec_engine::training::batch::{predicted_rows, prepare};
+use dspec_engine::training::batch::{predicted_rows, prepare, Anchored};
 use dspec_engine::training::checkpoint::write_drafter;
 use dspec_engine::training::data::Example;
 use dspec_engine::training::net::{block_hidden, initial_params};
 use dspec_engine::training::objective::dspark_logits;
 use dspec_engine::training::spec::{drafter_spec, target_config, DrafterKind};
-use dspec_engine::training::trainer::{fit_fc_to_taps, frozen_tensors};
+use dspec_engine::training::trainer::{fit_fc_to_taps, frozen_tensors, LOGITS_PER_PASS};
 use dspec_plugin_api::DrafterOptions;
 
 /// Random tokens of the tiny byte-level vocabulary (bytes only).
@@ -28,8 +28,9 @@ fn random_tokens(rng: &mut ChaCha8Rng, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(32..127)).collect()
 }
 
-/// The drafter's logits at `anchors` as training computes them (every anchor at once)
-/// equal what the drafter loaded from the written checkpoint drafts there: every block
+/// The drafter's logits at its anchors as training computes them (every anchor of two
+/// sequences at once) equal what the drafter loaded from the written checkpoint drafts
+/// there: every block
 /// row for DFlash; for DSpark the first row, whose Markov input (the anchor token) is the
 /// same in training and inference (later rows follow drafted tokens there).
 fn training_matches_inference(kind: DrafterKind) {
@@ -54,24 +55,30 @@ fn training_matches_inference(kind: DrafterKind) {
     };
     write_drafter(out.path(), &spec.config, &params, &frozen, Dtype::Float32).unwrap();
 
-    let tokens = random_tokens(&mut rng, 20);
-    let example = Example {
-        tokens: tokens.clone(),
-        first_label: 1,
-        soft: false,
-        line: 1,
-    };
-    let anchors = [3, 9, 16];
-    let prepared = prepare(
-        target,
-        &spec.taps,
-        &example,
-        &anchors,
-        &spec.layout,
-        7.0,
-        false,
-    )
-    .unwrap();
+    // Two sequences in one pass: of different lengths (so the shorter one's context is
+    // padded) and with different numbers of blocks (so it gets a padding block).
+    let sequences = [
+        (random_tokens(&mut rng, 20), vec![3, 9, 16]),
+        (random_tokens(&mut rng, 13), vec![5, 11]),
+    ];
+    let examples: Vec<Example> = sequences
+        .iter()
+        .map(|(tokens, _)| Example {
+            tokens: tokens.clone(),
+            first_label: 1,
+            soft: false,
+            line: 1,
+        })
+        .collect();
+    let anchored: Vec<Anchored> = examples
+        .iter()
+        .zip(&sequences)
+        .map(|(example, (_, anchors))| Anchored {
+            example,
+            anchors: anchors.clone(),
+        })
+        .collect();
+    let prepared = prepare(target, &spec.taps, &anchored, &spec.layout, 7.0, false).unwrap();
     let rows = predicted_rows(
         &block_hidden(&params, &spec.shape, &prepared.inputs).unwrap(),
         &spec.layout,
@@ -87,44 +94,58 @@ fn training_matches_inference(kind: DrafterKind) {
         ),
     };
     let per_block = spec.layout.predicted();
+    let blocks = prepared.inputs.anchors[0].len();
 
     let config = read_config(out.path());
     let options = DrafterOptions {
         bits: Some(0),
         ..DrafterOptions::default()
     };
-    for (n, &anchor) in anchors.iter().enumerate() {
-        let mut drafter =
-            load_checkpoint_drafter(kind.name(), out.path(), &config, target, &options).unwrap();
-        let prefix = Array::from_slice(&tokens[..anchor as usize], &[1, anchor]);
-        let mut cache = target.new_cache();
-        let hidden = target
-            .forward(&prefix, &mut cache, &spec.taps)
-            .unwrap()
-            .hidden;
-        drafter
-            .begin(target, &tokens[..anchor as usize], hidden.as_ref())
-            .unwrap();
-        let mut picker = Argmax::default();
-        drafter
-            .propose(
-                target,
-                tokens[anchor as usize],
-                per_block as usize,
-                &mut picker,
-            )
-            .unwrap();
-        let inferred = concatenate(&picker.logits, 0).unwrap();
-        let inferred = inferred
-            .reshape(&[-1, inferred.shape()[inferred.ndim() - 1]])
-            .unwrap()
-            .try_index(..compared)
-            .unwrap();
-        let start = n as i32 * per_block;
-        let ours = trained.try_index(start..start + compared).unwrap();
-        let diff = max_abs_diff(&ours, &inferred);
-        assert!(diff < 1e-4, "anchor {anchor}: logits differ by {diff}");
+    for (s, (tokens, anchors)) in sequences.iter().enumerate() {
+        for (n, &anchor) in anchors.iter().enumerate() {
+            let mut drafter =
+                load_checkpoint_drafter(kind.name(), out.path(), &config, target, &options)
+                    .unwrap();
+            let prefix = Array::from_slice(&tokens[..anchor as usize], &[1, anchor]);
+            let mut cache = target.new_cache();
+            let hidden = target
+                .forward(&prefix, &mut cache, &spec.taps)
+                .unwrap()
+                .hidden;
+            drafter
+                .begin(target, &tokens[..anchor as usize], hidden.as_ref())
+                .unwrap();
+            let mut picker = Argmax::default();
+            drafter
+                .propose(
+                    target,
+                    tokens[anchor as usize],
+                    per_block as usize,
+                    &mut picker,
+                )
+                .unwrap();
+            let inferred = concatenate(&picker.logits, 0).unwrap();
+            let inferred = inferred
+                .reshape(&[-1, inferred.shape()[inferred.ndim() - 1]])
+                .unwrap()
+                .try_index(..compared)
+                .unwrap();
+            let start = (s * blocks + n) as i32 * per_block;
+            let ours = trained.try_index(start..start + compared).unwrap();
+            let diff = max_abs_diff(&ours, &inferred);
+            assert!(
+                diff < 1e-4,
+                "sequence {s}, anchor {anchor}: logits differ by {diff}"
+            );
+        }
     }
+    // The padding block weighs nothing; every real prediction inside its sequence weighs.
+    let weights: Vec<f32> = prepared.weights.as_slice().to_vec();
+    let padding = (blocks + 2) * per_block as usize;
+    assert!(weights[padding..padding + per_block as usize]
+        .iter()
+        .all(|&w| w == 0.0));
+    assert!(weights[..per_block as usize].iter().all(|&w| w > 0.0));
 }
 
 /// A fresh drafter's `fc` takes each tap channel at unit RMS over the first example.
@@ -349,10 +370,23 @@ fn train_into(
     stop_after: Option<usize>,
     resume: bool,
 ) {
+    train_with(loaded, examples, out, steps, stop_after, resume, |_| {});
+}
+
+/// [`train_into`] with options changed by `adjust`.
+fn train_with(
+    loaded: &dspec_engine::loading::LoadedModel,
+    examples: &[Example],
+    out: &Path,
+    steps: usize,
+    stop_after: Option<usize>,
+    resume: bool,
+    adjust: impl Fn(&mut dspec_engine::training::trainer::TrainOptions),
+) {
     use dspec_engine::training::trainer::{train, Length, TrainOptions};
     let (_, common) = target_config(&loaded.dir).unwrap();
     let spec = drafter_spec(DrafterKind::Dflash, &common, "float32", 1, 6, vec![0, 1]).unwrap();
-    let options = TrainOptions {
+    let mut options = TrainOptions {
         out: out.to_path_buf(),
         length: Length::Steps(steps),
         lr: 3e-3,
@@ -366,8 +400,10 @@ fn train_into(
         resume,
         eval_every: 1000,
         eval_tokens: 8,
+        logits_per_pass: LOGITS_PER_PASS,
         settings: serde_json::Map::new(),
     };
+    adjust(&mut options);
     let stop = |step: usize| stop_after == Some(step);
     train(loaded, &spec, examples, &[], &options, &mut |_| {}, &stop).unwrap();
 }
@@ -419,6 +455,73 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         assert!(
             max_abs_diff(value, &halfway[name]) > 0.0 || name.ends_with("norm.weight"),
             "{name} did not change after the stop"
+        );
+    }
+}
+
+/// A step whose sequences run one pass each ends where one pass of them all ends: the
+/// passes' gradients add up to the step's.
+#[test]
+fn a_step_in_several_passes_equals_one_pass() {
+    let (_dir, loaded) = tiny_target("{}", 6);
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let examples: Vec<Example> = (0..8)
+        .map(|i| Example {
+            tokens: random_tokens(&mut rng, 12 + 3 * i),
+            first_label: 1 + i % 3,
+            soft: i % 2 == 0,
+            line: i + 1,
+        })
+        .collect();
+    // Steps of about four sequences, of both kinds of labels.
+    let passes = |logits_per_pass: usize| {
+        move |o: &mut dspec_engine::training::trainer::TrainOptions| {
+            o.batch_tokens = 100;
+            o.logits_per_pass = logits_per_pass;
+        }
+    };
+    let one = tempfile::tempdir().unwrap();
+    train_with(
+        &loaded,
+        &examples,
+        one.path(),
+        4,
+        None,
+        false,
+        passes(usize::MAX),
+    );
+    let several = tempfile::tempdir().unwrap();
+    train_with(
+        &loaded,
+        &examples,
+        several.path(),
+        4,
+        None,
+        false,
+        passes(1),
+    );
+    let (a, b) = (saved_params(one.path()), saved_params(several.path()));
+    let fresh = initial_params(
+        &drafter_spec(
+            DrafterKind::Dflash,
+            &target_config(&loaded.dir).unwrap().1,
+            "float32",
+            1,
+            6,
+            vec![0, 1],
+        )
+        .unwrap()
+        .shape
+        .tensors(),
+        4,
+    );
+    for (name, value) in &a {
+        let diff = max_abs_diff(value, &b[name]);
+        assert!(diff < 1e-5, "{name} differs by {diff}");
+        let moved = max_abs_diff(value, &fresh[name.as_str()]);
+        assert!(
+            moved > 1e-4 || name.ends_with("norm.weight"),
+            "{name} did not train"
         );
     }
 }

@@ -3,9 +3,10 @@
 //! published checkpoints' tensor names.
 //!
 //! Inference runs one block at a time over a growing context cache
-//! (`dspec_drafters::context`); here a sequence's whole context is projected once and
+//! (`dspec_drafters::context`); here each sequence's whole context is projected once and
 //! each anchor's block attends to the context positions before its anchor and to itself,
-//! with no causal mask inside the block — what inference computes for that anchor. The
+//! with no causal mask inside the block — what inference computes for that anchor.
+//! Several sequences run at once, side by side on a leading axis. The
 //! layers are Qwen3's (q/k norms, RoPE on both, grouped-query attention, SwiGLU), in f32.
 //! `engine/tests/train_drafter.rs` holds the two paths equal, anchor by anchor.
 
@@ -13,7 +14,6 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use mlx_rs::fast::rms_norm;
-use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::ops::{concatenate, matmul, sigmoid, softmax_axis};
 use mlx_rs::Array;
 use rand::{Rng, SeedableRng};
@@ -139,14 +139,17 @@ pub fn initial_params(tensors: &[(String, Vec<i32>)], seed: u64) -> Params {
         .collect()
 }
 
-/// One sequence's inputs to the drafter's layers.
+/// Several sequences' inputs to the drafter's layers, each with the same number of
+/// blocks (a shorter sequence's padded with blocks whose predictions weigh nothing).
 pub struct BlockInputs {
-    /// The target's tap states of the sequence, `[T, tap_width]` f32.
+    /// The target's tap states of each sequence, `[S, T, tap_width]` f32; a shorter
+    /// sequence's padded after its end, where no anchor looks.
     pub context: Array,
-    /// The blocks `[anchor token, mask, …]` through the target's embedding, `[N, B, hidden]` f32.
+    /// The blocks `[anchor token, mask, …]` through the target's embedding,
+    /// `[S, N, B, hidden]` f32.
     pub blocks: Array,
-    /// Each block's anchor position: it sees the context before it.
-    pub anchors: Vec<i32>,
+    /// Per sequence, each block's anchor position (`N` each): it sees the context before it.
+    pub anchors: Vec<Vec<i32>>,
 }
 
 pub fn param<'a>(params: &'a Params, name: &str) -> Result<&'a Array> {
@@ -168,13 +171,14 @@ fn norm(params: &Params, name: &str, x: &Array, eps: f32) -> Result<Array> {
 /// `position · θ^(−2i/D)`. The angles' tables are made once per forward and shared by
 /// every layer.
 struct Rotation {
-    /// `[L, 1, D/2]` each.
+    /// `[..positions' shape, 1, D/2]` each: one table row per position, broadcast over heads.
     cos: Array,
     sin: Array,
 }
 
 impl Rotation {
-    fn new(positions: &[i32], theta: f32, head_dim: i32) -> Self {
+    /// `positions` laid out as `shape` (its product is their count).
+    fn new(positions: &[i32], shape: &[i32], theta: f32, head_dim: i32) -> Self {
         let half = head_dim / 2;
         let inv: Vec<f64> = (0..half)
             .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
@@ -187,18 +191,18 @@ impl Rotation {
                 sin.push(angle.sin() as f32);
             }
         }
-        let shape = [positions.len() as i32, 1, half];
+        let mut table = shape.to_vec();
+        table.extend([1, half]);
         Self {
-            cos: Array::from_slice(&cos, &shape),
-            sin: Array::from_slice(&sin, &shape),
+            cos: Array::from_slice(&cos, &table),
+            sin: Array::from_slice(&sin, &table),
         }
     }
 
-    /// `x`: `[L, heads, D]`, one row per position.
+    /// `x`: `[.., positions, heads, D]`, positions laid out as the table's.
     fn apply(&self, x: &Array) -> Result<Array> {
-        let half = x.shape()[2] / 2;
-        let x1 = x.try_index((.., .., ..half))?;
-        let x2 = x.try_index((.., .., half..))?;
+        let halves = x.split_equal(2, -1)?;
+        let (x1, x2) = (&halves[0], &halves[1]);
         Ok(concatenate(
             &[
                 x1.multiply(&self.cos)?.subtract(x2.multiply(&self.sin)?)?,
@@ -209,65 +213,83 @@ impl Rotation {
     }
 }
 
-/// The additive mask of the blocks' queries (`[N·B]`) over `[context (T) ; blocks (N·B)]`:
-/// a block sees the context before its anchor (within `window` positions of the query)
-/// and the whole of itself.
-fn block_mask(anchors: &[i32], block: i32, context: i32, window: Option<i32>) -> Array {
-    let queries = anchors.len() as i32 * block;
-    let keys = context + queries;
-    let mut mask = vec![HIDDEN; (queries * keys) as usize];
-    for (n, &anchor) in anchors.iter().enumerate() {
-        for j in 0..block {
-            let q = n as i32 * block + j;
-            let row = &mut mask[(q * keys) as usize..((q + 1) * keys) as usize];
-            let position = anchor + j;
-            for (k, seen) in row
-                .iter_mut()
-                .enumerate()
-                .take(anchor.min(context) as usize)
-            {
-                if window.is_none_or(|w| position - (k as i32) < w) {
-                    *seen = 0.0;
-                }
-            }
-            let own = (context + n as i32 * block) as usize;
-            row[own..own + block as usize].fill(0.0);
-        }
+/// The additive mask of each sequence's block queries (`[S, N·B]`) over its
+/// `[context (T) ; blocks (N·B)]`, `[S, N·B, T + N·B]`: a block sees the context before
+/// its anchor (within `window` positions of the query) and the whole of itself. Built on
+/// the device from the anchors alone.
+fn block_mask(
+    anchors: &[Vec<i32>],
+    block: i32,
+    context: i32,
+    window: Option<i32>,
+) -> Result<Array> {
+    let s = anchors.len() as i32;
+    let queries = anchors.first().map_or(0, |a| a.len() as i32) * block;
+    let anchor_of: Vec<i32> = anchors
+        .iter()
+        .flatten()
+        .flat_map(|&a| std::iter::repeat_n(a, block as usize))
+        .collect();
+    let anchor_of = Array::from_slice(&anchor_of, &[s, queries, 1]);
+    let keys = mlx_rs::ops::arange::<_, i32>(0, context, None)?.reshape(&[1, 1, context])?;
+    let mut seen = keys.lt(&anchor_of)?;
+    if let Some(w) = window {
+        let within = |n: i32| (0..block).map(move |j| n + j);
+        let position_of: Vec<i32> = anchors.iter().flatten().flat_map(|&a| within(a)).collect();
+        let distance = Array::from_slice(&position_of, &[s, queries, 1]).subtract(&keys)?;
+        seen = seen.logical_and(distance.lt(Array::from_int(w))?)?;
     }
-    Array::from_slice(&mask, &[queries, keys])
+    let block_of: Vec<i32> = (0..queries).map(|q| q / block).collect();
+    let block_of = Array::from_slice(&block_of, &[queries]);
+    let same_block = block_of
+        .reshape(&[queries, 1])?
+        .eq(block_of.reshape(&[1, queries])?)?;
+    let same_block = mlx_rs::ops::broadcast_to(&same_block, &[s, queries, queries])?;
+    let visible = concatenate(&[seen, same_block], -1)?;
+    Ok(mlx_rs::ops::select(
+        &visible,
+        Array::from_f32(0.0),
+        Array::from_f32(HIDDEN),
+    )?)
 }
 
-/// Scaled dot-product attention of `q` (`[Lq, heads, D]`) over `k`, `v` (`[Lk, kv_heads, D]`)
-/// under the additive `mask` (`[Lq, Lk]`); `[Lq, heads·D]`.
+/// Scaled dot-product attention of `q` (`[S, Lq, heads, D]`) over `k`, `v`
+/// (`[S, Lk, kv_heads, D]`) under the additive `mask` (`[S, Lq, Lk]`); `[S, Lq, heads·D]`.
 fn attend(q: &Array, k: &Array, v: &Array, mask: &Array, shape: &NetShape) -> Result<Array> {
-    let (lq, lk, d) = (q.shape()[0], k.shape()[0], shape.head_dim);
+    let (s, lq, lk, d) = (q.shape()[0], q.shape()[1], k.shape()[1], shape.head_dim);
     let group = shape.heads / shape.kv_heads;
     let q = q
-        .transpose_axes(&[1, 0, 2])?
-        .reshape(&[shape.kv_heads, group, lq, d])?;
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[s, shape.kv_heads, group, lq, d])?;
     let k = k
-        .transpose_axes(&[1, 2, 0])?
-        .reshape(&[shape.kv_heads, 1, d, lk])?;
+        .transpose_axes(&[0, 2, 3, 1])?
+        .reshape(&[s, shape.kv_heads, 1, d, lk])?;
     let v = v
-        .transpose_axes(&[1, 0, 2])?
-        .reshape(&[shape.kv_heads, 1, lk, d])?;
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[s, shape.kv_heads, 1, lk, d])?;
     let scale = Array::from_f32(1.0 / (d as f32).sqrt());
-    let scores = matmul(&q, &k)?.multiply(&scale)?.add(mask)?;
+    let mask = mask.reshape(&[s, 1, 1, lq, lk])?;
+    let scores = matmul(&q, &k)?.multiply(&scale)?.add(&mask)?;
     let out = matmul(&softmax_axis(&scores, -1, true)?, &v)?;
     Ok(out
-        .reshape(&[shape.heads, lq, d])?
-        .transpose_axes(&[1, 0, 2])?
-        .reshape(&[lq, shape.heads * d])?)
+        .reshape(&[s, shape.heads, lq, d])?
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[s, lq, shape.heads * d])?)
 }
 
+/// `[.., L, n·d]` as `[.., L, n, d]`.
 fn heads(x: &Array, n: i32, d: i32) -> Result<Array> {
-    Ok(x.reshape(&[x.shape()[0], n, d])?)
+    let mut shape = x.shape().to_vec();
+    shape.pop();
+    shape.extend([n, d]);
+    Ok(x.reshape(&shape)?)
 }
 
-/// The blocks through every layer and the final norm: `[N, B, hidden]`.
+/// The blocks through every layer and the final norm: `[S, N, B, hidden]`.
 pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> Result<Array> {
-    let (n, block) = (inputs.blocks.shape()[0], inputs.blocks.shape()[1]);
-    let t = inputs.context.shape()[0];
+    let blocks = inputs.blocks.shape();
+    let (s, n, block) = (blocks[0], blocks[1], blocks[2]);
+    let t = inputs.context.shape()[1];
     let (d, eps) = (shape.head_dim, shape.eps);
     let fused = norm(
         params,
@@ -279,18 +301,19 @@ pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> 
     let block_positions: Vec<i32> = inputs
         .anchors
         .iter()
+        .flatten()
         .flat_map(|&a| (0..block).map(move |j| a + j))
         .collect();
-    let context_rotation = Rotation::new(&context_positions, shape.rope_theta, d);
-    let block_rotation = Rotation::new(&block_positions, shape.rope_theta, d);
+    let context_rotation = Rotation::new(&context_positions, &[t], shape.rope_theta, d);
+    let block_rotation = Rotation::new(&block_positions, &[s, n * block], shape.rope_theta, d);
     let mut masks: Vec<(Option<i32>, Array)> = Vec::new();
-    let mut x = inputs.blocks.reshape(&[n * block, shape.hidden])?;
+    let mut x = inputs.blocks.reshape(&[s, n * block, shape.hidden])?;
     for (i, &window) in shape.windows.iter().enumerate() {
         let p = |name: &str| format!("layers.{i}.{name}");
         let mask = match masks.iter().find(|(w, _)| *w == window) {
             Some((_, m)) => m.clone(),
             None => {
-                let m = block_mask(&inputs.anchors, block, t, window);
+                let m = block_mask(&inputs.anchors, block, t, window)?;
                 masks.push((window, m.clone()));
                 m
             }
@@ -318,8 +341,8 @@ pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> 
             d,
         )?;
         let q = block_rotation.apply(&norm(params, &p("self_attn.q_norm.weight"), &q, eps)?)?;
-        let k = concatenate(&[context_k, block_k], 0)?;
-        let v = concatenate(&[context_v, block_v], 0)?;
+        let k = concatenate(&[context_k, block_k], 1)?;
+        let v = concatenate(&[context_v, block_v], 1)?;
         let attended = attend(&q, &k, &v, &mask, shape)?;
         x = x.add(linear(params, &p("self_attn.o_proj.weight"), &attended)?)?;
         let h = norm(params, &p("post_attention_layernorm.weight"), &x, eps)?;
@@ -329,5 +352,5 @@ pub fn block_hidden(params: &Params, shape: &NetShape, inputs: &BlockInputs) -> 
         x = x.add(linear(params, &p("mlp.down_proj.weight"), &act)?)?;
     }
     let out = norm(params, "norm.weight", &x, eps)?;
-    Ok(out.reshape(&[n, block, shape.hidden])?)
+    Ok(out.reshape(&[s, n, block, shape.hidden])?)
 }

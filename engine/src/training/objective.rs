@@ -1,10 +1,11 @@
-//! What a drafter is trained to minimise, per drafter kind, over a step's sequences.
+//! What a drafter is trained to minimise, per drafter kind, over a pass of a step's
+//! sequences.
 //!
 //! Every prediction is weighted `exp(−(k−1)/γ)` by its place k in the block: a draft
 //! counts only if every one before it was kept, so early positions matter most.
 
 use mlx_rs::ops::indexing::{argmax_axis, take_along_axis};
-use mlx_rs::ops::{abs, concatenate, logaddexp, logsumexp_axis, matmul, maximum};
+use mlx_rs::ops::{abs, concatenate, logaddexp, logsumexp_axis, matmul};
 use mlx_rs::stop_gradient;
 use mlx_rs::{Array, Dtype};
 
@@ -18,36 +19,21 @@ use crate::error::EngineError;
 
 type Result<T> = std::result::Result<T, EngineError>;
 
-/// A step's loss and what the progress line reports, as lazy scalars.
+/// A pass's share of a step's loss and of what the progress line reports, as lazy
+/// scalars; the step divides both by its predictions' total weight.
 pub struct StepValues {
-    /// Weighted mean loss: what autograd differentiates.
+    /// Weighted sum of the per-prediction losses: what autograd differentiates.
     pub loss: Array,
     /// Weighted count of predictions whose argmax is the label.
     pub correct: Array,
-    /// Sum of the weights (the loss's denominator).
-    pub weight: Array,
 }
 
-/// The weighted mean over `sequences` of a per-row loss, with the weighted count of rows
-/// whose argmax is the label: `rows_of` gives each sequence's per-row loss and the
-/// logits it drafted from.
-fn weighted_mean(
-    sequences: &[Prepared],
-    mut rows_of: impl FnMut(&Prepared) -> Result<(Array, Array)>,
-) -> Result<StepValues> {
-    let mut total = Array::from_f32(0.0);
-    let mut correct = Array::from_f32(0.0);
-    let mut weight = Array::from_f32(0.0);
-    for seq in sequences {
-        let (loss, logits) = rows_of(seq)?;
-        total = total.add(loss.multiply(&seq.weights)?.sum(None)?)?;
-        weight = weight.add(seq.weights.sum(None)?)?;
-        correct = correct.add(hits(&logits, seq)?)?;
-    }
+/// The weighted sum of a pass's per-row `loss`, with the weighted count of rows whose
+/// argmax (of the `logits` they drafted from) is the label.
+fn weighted_sum(batch: &Prepared, loss: &Array, logits: &Array) -> Result<StepValues> {
     Ok(StepValues {
-        loss: total.divide(maximum(&weight, Array::from_f32(1e-9))?)?,
-        correct: stop_gradient(&correct)?,
-        weight,
+        loss: loss.multiply(&batch.weights)?.sum(None)?,
+        correct: stop_gradient(&hits(logits, batch)?)?,
     })
 }
 
@@ -66,13 +52,11 @@ pub fn dflash(
     shape: &NetShape,
     layout: &BlockLayout,
     target: &dyn TargetModel,
-    sequences: &[Prepared],
+    batch: &Prepared,
 ) -> Result<StepValues> {
-    weighted_mean(sequences, |seq| {
-        let rows = predicted_rows(&block_hidden(params, shape, &seq.inputs)?, layout)?;
-        let logits = target_head(target, &rows)?;
-        Ok((cross_entropy(&logits, seq)?, logits))
-    })
+    let rows = predicted_rows(&block_hidden(params, shape, &batch.inputs)?, layout)?;
+    let logits = target_head(target, &rows)?;
+    weighted_sum(batch, &cross_entropy(&logits, batch)?, &logits)
 }
 
 /// DeepSpec's weights of the cross-entropy and total-variation terms.
@@ -102,45 +86,43 @@ pub fn dspark(
     shape: &NetShape,
     layout: &BlockLayout,
     target: &dyn TargetModel,
-    sequences: &[Prepared],
+    batch: &Prepared,
 ) -> Result<StepValues> {
-    weighted_mean(sequences, |seq| {
-        let p = seq.distributions.as_ref().ok_or_else(|| {
-            EngineError::Invalid("DSpark's loss needs the target's distributions".into())
-        })?;
-        let rows = predicted_rows(&block_hidden(params, shape, &seq.inputs)?, layout)?;
-        let (logits, markov) = dspark_logits(params, &rows, &seq.previous, target)?;
-        let ce = cross_entropy(&logits, seq)?;
-        let q = mlx_rs::ops::softmax_axis(&logits, -1, true)?;
-        let tv = abs(q.subtract(p)?)?.sum_axis(-1, false)?;
-        let accepted =
-            stop_gradient(Array::from_f32(1.0).subtract(tv.multiply(Array::from_f32(0.5))?)?)?;
-        let features = concatenate(&[rows, markov], -1)?;
-        let z = matmul(&features, param(params, CONFIDENCE_WEIGHT)?.t())?
-            .add(param(params, CONFIDENCE_BIAS)?)?
-            .reshape(&[-1])?;
-        // −[a·log σ(z) + (1−a)·log(1−σ(z))], with log σ(z) = −log(1 + e^−z).
-        let zero = Array::from_f32(0.0);
-        let bce = accepted.multiply(logaddexp(&zero, z.negative()?)?)?.add(
-            Array::from_f32(1.0)
-                .subtract(&accepted)?
-                .multiply(logaddexp(&zero, &z)?)?,
-        )?;
-        let per_row = ce
-            .multiply(Array::from_f32(DSPARK_CE))?
-            .add(tv.multiply(Array::from_f32(DSPARK_TV))?)?
-            .add(bce)?;
-        Ok((per_row, logits))
-    })
+    let p = batch.distributions.as_ref().ok_or_else(|| {
+        EngineError::Invalid("DSpark's loss needs the target's distributions".into())
+    })?;
+    let rows = predicted_rows(&block_hidden(params, shape, &batch.inputs)?, layout)?;
+    let (logits, markov) = dspark_logits(params, &rows, &batch.previous, target)?;
+    let ce = cross_entropy(&logits, batch)?;
+    let q = mlx_rs::ops::softmax_axis(&logits, -1, true)?;
+    let tv = abs(q.subtract(p)?)?.sum_axis(-1, false)?;
+    let accepted =
+        stop_gradient(Array::from_f32(1.0).subtract(tv.multiply(Array::from_f32(0.5))?)?)?;
+    let features = concatenate(&[rows, markov], -1)?;
+    let z = matmul(&features, param(params, CONFIDENCE_WEIGHT)?.t())?
+        .add(param(params, CONFIDENCE_BIAS)?)?
+        .reshape(&[-1])?;
+    // −[a·log σ(z) + (1−a)·log(1−σ(z))], with log σ(z) = −log(1 + e^−z).
+    let zero = Array::from_f32(0.0);
+    let bce = accepted.multiply(logaddexp(&zero, z.negative()?)?)?.add(
+        Array::from_f32(1.0)
+            .subtract(&accepted)?
+            .multiply(logaddexp(&zero, &z)?)?,
+    )?;
+    let per_row = ce
+        .multiply(Array::from_f32(DSPARK_CE))?
+        .add(tv.multiply(Array::from_f32(DSPARK_TV))?)?
+        .add(bce)?;
+    weighted_sum(batch, &per_row, &logits)
 }
 
 /// Per row: −log q(label), or −Σ p·log q against the target's distribution p.
-fn cross_entropy(logits: &Array, seq: &Prepared) -> Result<Array> {
+fn cross_entropy(logits: &Array, batch: &Prepared) -> Result<Array> {
     let lse = logsumexp_axis(logits, -1, false)?;
-    match (&seq.distributions, seq.soft_labels) {
+    match (&batch.distributions, batch.soft_labels) {
         (Some(p), true) => Ok(lse.subtract(p.multiply(logits)?.sum_axis(-1, false)?)?),
         _ => {
-            let labels = seq.labels.as_dtype(Dtype::Int32)?.reshape(&[-1, 1])?;
+            let labels = batch.labels.as_dtype(Dtype::Int32)?.reshape(&[-1, 1])?;
             let picked = take_along_axis(logits, &labels, -1)?.reshape(&[-1])?;
             Ok(lse.subtract(picked)?)
         }
@@ -148,11 +130,11 @@ fn cross_entropy(logits: &Array, seq: &Prepared) -> Result<Array> {
 }
 
 /// Weighted count of rows whose argmax is the label.
-fn hits(logits: &Array, seq: &Prepared) -> Result<Array> {
+fn hits(logits: &Array, batch: &Prepared) -> Result<Array> {
     let top = argmax_axis(stop_gradient(logits)?, -1, false)?;
-    let same = top.eq(seq.labels.as_dtype(top.dtype())?)?;
+    let same = top.eq(batch.labels.as_dtype(top.dtype())?)?;
     Ok(same
         .as_dtype(Dtype::Float32)?
-        .multiply(&seq.weights)?
+        .multiply(&batch.weights)?
         .sum(None)?)
 }

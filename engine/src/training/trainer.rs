@@ -12,11 +12,11 @@ use mlx_rs::transforms::keyed_value_and_grad;
 use mlx_rs::Array;
 use serde_json::json;
 
-use super::batch::{pick_anchors, prepare, Prepared};
+use super::batch::{pick_anchors, prepare, Anchored, BlockLayout};
 use super::checkpoint::{load_state, save_state, state_dir, write_drafter, RunState};
 use super::data::Example;
 use super::eval::{acceptance, Acceptance};
-use super::net::{initial_params, Params};
+use super::net::{initial_params, NetShape, Params};
 use super::objective::{dflash, dspark};
 use super::schedule::{anchor_rng, LearningRate, Plan};
 use super::spec::DrafterKind;
@@ -50,6 +50,9 @@ pub struct TrainOptions {
     pub resume: bool,
     pub eval_every: usize,
     pub eval_tokens: usize,
+    /// The most logits (rows × vocabulary) one pass of the drafter holds:
+    /// [`LOGITS_PER_PASS`] unless a test splits steps finer.
+    pub logits_per_pass: usize,
     /// Written with the checkpoint, for `--resume` to check.
     pub settings: serde_json::Map<String, serde_json::Value>,
 }
@@ -148,39 +151,35 @@ pub fn train(
     for step in first_step..total {
         let (batch, epoch) = plan.batch(step);
         let mut rng = anchor_rng(options.seed, step);
-        let preparing = Instant::now();
-        let mut sequences = Vec::with_capacity(batch.len());
+        let mut picked = Vec::with_capacity(batch.len());
         for &i in &batch {
             let anchors = pick_anchors(&examples[i], options.anchors, &spec.layout, &mut rng);
-            if anchors.is_empty() {
-                continue;
+            if !anchors.is_empty() {
+                picked.push(Anchored {
+                    example: &examples[i],
+                    anchors,
+                });
             }
-            sequences.push(prepare(
-                target,
-                &spec.taps,
-                &examples[i],
-                &anchors,
-                &spec.layout,
-                options.gamma,
-                spec.kind == DrafterKind::Dspark,
-            )?);
         }
-        if sequences.is_empty() {
+        if picked.is_empty() {
             continue;
         }
-        let target_seconds = preparing.elapsed().as_secs_f64();
-        let stepping = Instant::now();
         let lr = rate.at(step);
-        let (loss, accuracy) = train_step(
+        let report = train_step(
             loaded,
             spec,
-            &sequences,
+            passes(picked, &spec.shape, &spec.layout, options.logits_per_pass),
             &mut params,
             &mut optimizer,
             lr,
-            options.clip,
+            options,
         )?;
-        let drafter_seconds = stepping.elapsed().as_secs_f64();
+        let StepReport {
+            loss,
+            accuracy,
+            target_seconds,
+            drafter_seconds,
+        } = report;
         tokens_done += batch
             .iter()
             .map(|&i| examples[i].tokens.len())
@@ -239,33 +238,124 @@ pub fn train(
     Ok(last)
 }
 
-/// One step: loss and gradients through autograd, clipped, and AdamW at rate `lr`.
-/// Returns the loss and the weighted share of predictions equal to their labels.
+/// The most logits (rows × vocabulary) one pass of the drafter holds: a step's
+/// sequences run in passes of about this size whose gradients add up, so that a step's
+/// memory stays bounded whatever `--batch-tokens` asks (2^29 f32 logits are 2 GiB).
+pub const LOGITS_PER_PASS: usize = 1 << 29;
+
+/// A step's sequences grouped into passes: ordered by the kind of their labels and by
+/// length, so that each pass pads its sequences little, and each pass as many sequences
+/// as keep its logits within `budget` (at least one).
+fn passes<'a>(
+    mut sequences: Vec<Anchored<'a>>,
+    shape: &NetShape,
+    layout: &BlockLayout,
+    budget: usize,
+) -> Vec<Vec<Anchored<'a>>> {
+    sequences.sort_by_key(|s| (s.example.soft, s.example.tokens.len()));
+    let per_block = layout.predicted().max(1) as usize * shape.vocab.max(1) as usize;
+    let mut all: Vec<Vec<Anchored<'a>>> = Vec::new();
+    let mut blocks = 0;
+    for seq in sequences {
+        let joins = all.last().is_some_and(|pass| {
+            let same_kind = pass[0].example.soft == seq.example.soft;
+            let widest = blocks.max(seq.anchors.len());
+            same_kind && (pass.len() + 1) * widest * per_block <= budget
+        });
+        if joins {
+            blocks = blocks.max(seq.anchors.len());
+            all.last_mut().expect("a pass to join").push(seq);
+        } else {
+            blocks = seq.anchors.len();
+            all.push(vec![seq]);
+        }
+    }
+    all
+}
+
+/// What a step measured.
+struct StepReport {
+    loss: f32,
+    /// The weighted share of predictions equal to their labels.
+    accuracy: f32,
+    /// Seconds in the target's forwards, and in the drafter's passes and update.
+    target_seconds: f64,
+    drafter_seconds: f64,
+}
+
+/// One step over `passes`: each pass's sequences through the target, then loss and
+/// gradients through autograd, summed over the passes and divided by the step's total
+/// weight; clipped, and AdamW at rate `lr`.
 fn train_step(
     loaded: &LoadedModel,
     spec: &DrafterSpec,
-    sequences: &[Prepared],
+    passes: Vec<Vec<Anchored<'_>>>,
     params: &mut Params,
     optimizer: &mut AdamW,
     lr: f32,
-    clip: f32,
-) -> Result<(f32, f32)> {
+    options: &TrainOptions,
+) -> Result<StepReport> {
     let target = loaded.model.as_ref();
-    let objective = |p: HashMap<Rc<str>, Array>,
-                     _: ()|
-     -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
-        let loss = match spec.kind {
-            DrafterKind::Dflash => dflash,
-            DrafterKind::Dspark => dspark,
+    let (mut target_seconds, mut drafter_seconds) = (0.0, 0.0);
+    let mut summed: Option<(HashMap<Rc<str>, Array>, Array, Array)> = None;
+    let mut weight = 0.0f32;
+    for pass in passes {
+        let preparing = Instant::now();
+        let batch = prepare(
+            target,
+            &spec.taps,
+            &pass,
+            &spec.layout,
+            options.gamma,
+            spec.kind == DrafterKind::Dspark,
+        )?;
+        target_seconds += preparing.elapsed().as_secs_f64();
+        let stepping = Instant::now();
+        weight += batch.weight;
+        let objective = |p: HashMap<Rc<str>, Array>,
+                         _: ()|
+         -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
+            let loss = match spec.kind {
+                DrafterKind::Dflash => dflash,
+                DrafterKind::Dspark => dspark,
+            };
+            let values = loss(&p, &spec.shape, &spec.layout, target, &batch)
+                .map_err(|e| mlx_rs::error::Exception::custom(e.to_string()))?;
+            Ok(vec![values.loss, values.correct])
         };
-        let values = loss(&p, &spec.shape, &spec.layout, target, sequences)
-            .map_err(|e| mlx_rs::error::Exception::custom(e.to_string()))?;
-        Ok(vec![values.loss, values.correct, values.weight])
-    };
-    let mut value_and_grad = keyed_value_and_grad(objective);
-    let (values, grads) = value_and_grad(params.clone(), ())?;
-    let grads = if clip > 0.0 {
-        clipped(grads, clip)?
+        let mut value_and_grad = keyed_value_and_grad(objective);
+        let (values, grads) = value_and_grad(params.clone(), ())?;
+        let (loss, correct) = (values[0].clone(), values[1].clone());
+        summed = Some(match summed.take() {
+            None => (grads, loss, correct),
+            Some((mut total, l, c)) => {
+                for (name, grad) in grads {
+                    let sum = match total.remove(&name) {
+                        Some(before) => before.add(&grad)?,
+                        None => grad,
+                    };
+                    total.insert(name, sum);
+                }
+                (total, l.add(&loss)?, c.add(&correct)?)
+            }
+        });
+        if let Some((grads, loss, correct)) = &summed {
+            let mut pending: Vec<&Array> = grads.values().collect();
+            pending.extend([loss, correct]);
+            mlx_rs::transforms::eval(pending)?;
+        }
+        drafter_seconds += stepping.elapsed().as_secs_f64();
+    }
+    let stepping = Instant::now();
+    let (grads, loss, correct) =
+        summed.ok_or_else(|| EngineError::Invalid("a training step had no sequences".into()))?;
+    let scale = Array::from_f32(1.0 / weight.max(1e-9));
+    let grads: HashMap<Rc<str>, Array> = grads
+        .into_iter()
+        .map(|(name, g)| Ok((name, g.multiply(&scale)?)))
+        .collect::<Result<_>>()?;
+    let grads = if options.clip > 0.0 {
+        clipped(grads, options.clip)?
     } else {
         grads
     };
@@ -277,23 +367,27 @@ fn train_step(
     }
     let mut pending: Vec<&Array> = params.values().collect();
     pending.extend(optimizer.state.values().flat_map(|(m, v)| [m, v]));
-    pending.extend(values.iter());
     mlx_rs::transforms::eval(pending)?;
     let scalar = |a: &Array| {
         a.try_item_cast::<f32>()
             .map_err(|e| EngineError::Mlx(e.to_string()))
     };
-    let (loss, correct, weight) = (
-        scalar(&values[0])?,
-        scalar(&values[1])?,
-        scalar(&values[2])?,
+    let (loss, correct) = (
+        scalar(&loss)? / weight.max(1e-9),
+        scalar(&correct)? / weight.max(1e-9),
     );
     if !loss.is_finite() {
         return Err(EngineError::Invalid(format!(
             "the loss became {loss}; lower --lr (or --clip) and start again"
         )));
     }
-    Ok((loss, correct / weight.max(1e-9)))
+    drafter_seconds += stepping.elapsed().as_secs_f64();
+    Ok(StepReport {
+        loss,
+        accuracy: correct,
+        target_seconds,
+        drafter_seconds,
+    })
 }
 
 /// Scales each input column of the fresh `fc` by the inverse of its channel's RMS in the
