@@ -214,8 +214,9 @@ pub fn prepare(
             let logits: Vec<&Array> = outputs.iter().filter_map(|o| o.logits.as_ref()).collect();
             let logits = mlx_rs::ops::concatenate(&logits, 1)?;
             let logits = logits.reshape(&[-1, logits.shape()[2]])?;
-            let picked = logits.take_axis(Array::from_slice(&rows, &[count]), 0)?;
-            Some(softmax_axis(&picked.as_dtype(Dtype::Float32)?, -1, true)?)
+            // Softmax before picking: blocks overlap, so rows are picked more than once.
+            let all = softmax_axis(&logits.as_dtype(Dtype::Float32)?, -1, true)?;
+            Some(all.take_axis(Array::from_slice(&rows, &[count]), 0)?)
         }
     };
     let prepared = Prepared {
