@@ -20,7 +20,7 @@ use dspec_engine::training::data::Example;
 use dspec_engine::training::net::{block_hidden, initial_params};
 use dspec_engine::training::objective::dspark_logits;
 use dspec_engine::training::spec::{drafter_spec, target_config, DrafterKind};
-use dspec_engine::training::trainer::{fit_fc_to_taps, frozen_tensors, LOGITS_PER_PASS};
+use dspec_engine::training::trainer::{fit_fc_to_taps, frozen_tensors, logits_per_pass};
 use dspec_plugin_api::DrafterOptions;
 
 /// Random tokens of the tiny byte-level vocabulary (bytes only).
@@ -400,7 +400,7 @@ fn train_with(
         resume,
         eval_every: 1000,
         eval_tokens: 8,
-        logits_per_pass: LOGITS_PER_PASS,
+        logits_per_pass: logits_per_pass(),
         settings: serde_json::Map::new(),
     };
     adjust(&mut options);

@@ -16,7 +16,7 @@ use dspec_engine::training::data::{load_examples, read_lines, DataLine, DataOpti
 use dspec_engine::training::spec::{
     default_layers, default_taps, drafter_spec, target_config, DrafterKind,
 };
-use dspec_engine::training::trainer::{train, Length, Progress, TrainOptions, LOGITS_PER_PASS};
+use dspec_engine::training::trainer::{logits_per_pass, train, Length, Progress, TrainOptions};
 
 use super::args::{count_in, number_in, ModelArgs, PluginArgs};
 use super::interrupt;
@@ -228,7 +228,7 @@ pub fn run(args: TrainDrafterArgs, plugins: &PluginArgs) -> Result<()> {
         resume: args.resume,
         eval_every: args.eval_every,
         eval_tokens: args.eval_tokens,
-        logits_per_pass: LOGITS_PER_PASS,
+        logits_per_pass: logits_per_pass(),
         settings: settings.as_object().cloned().unwrap_or_default(),
     };
     let bar = progress_bar();

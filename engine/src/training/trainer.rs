@@ -51,7 +51,7 @@ pub struct TrainOptions {
     pub eval_every: usize,
     pub eval_tokens: usize,
     /// The most logits (rows × vocabulary) one pass of the drafter holds:
-    /// [`LOGITS_PER_PASS`] unless a test splits steps finer.
+    /// [`logits_per_pass`] unless a test splits steps differently.
     pub logits_per_pass: usize,
     /// Written with the checkpoint, for `--resume` to check.
     pub settings: serde_json::Map<String, serde_json::Value>,
@@ -238,10 +238,17 @@ pub fn train(
     Ok(last)
 }
 
-/// The most logits (rows × vocabulary) one pass of the drafter holds: a step's
-/// sequences run in passes of about this size whose gradients add up, so that a step's
-/// memory stays bounded whatever `--batch-tokens` asks (2^29 f32 logits are 2 GiB).
-pub const LOGITS_PER_PASS: usize = 1 << 29;
+/// The most logits (rows × vocabulary) one pass of the drafter holds on this backend. A
+/// step's sequences run in passes whose gradients add up, so that a step's memory stays
+/// bounded whatever `--batch-tokens` asks. A GPU takes passes of several sequences, which
+/// read the weights once for all of them (2^29 f32 logits are 2 GiB); on the CPU, where
+/// arithmetic is the bound, small passes run faster, their arrays staying small.
+pub fn logits_per_pass() -> usize {
+    match dspec_runtime::Backend::current() {
+        dspec_runtime::Backend::Cpu => 1 << 25,
+        dspec_runtime::Backend::Cuda | dspec_runtime::Backend::Metal => 1 << 29,
+    }
+}
 
 /// A step's sequences grouped into passes: ordered by the kind of their labels and by
 /// length, so that each pass pads its sequences little, and each pass as many sequences
