@@ -93,8 +93,10 @@ def as_clause(sentence, third_person):
     verb = verb.lower()
     if third_person and not verb.endswith(("s", "ed")):
         verb += "es" if verb.endswith(("sh", "ch", "x")) else "s"
-    if not third_person and verb.endswith("s") and not verb.endswith("ss"):
-        verb = verb[:-2] if verb.endswith(("shes", "ches", "xes")) else verb[:-1]
+    if not third_person and verb in ("does", "goes"):
+        verb = verb[:-2]
+    elif not third_person and verb.endswith("s") and not verb.endswith("ss"):
+        verb = verb[:-2] if verb.endswith(("shes", "ches", "xes", "sses")) else verb[:-1]
     words[first] = verb
     if first:
         words[0] = words[0].lower()
