@@ -10,6 +10,7 @@
 #   .gpu/chunks/qwen15.gguf/part*  the GGUF of scripts/fetch-models.sh qwen15, in parts
 #   .gpu/train/train.jsonl         training prompts ({"prompt": ...}; no HumanEval or MBPP)
 #   .gpu/train/eval.jsonl, eval.txt  held-out code prompts (JSONL for --eval, lines for bench)
+#   .gpu/train/answers.jsonl.xz    optional: the target's answers, as a stopped run returns them
 #
 # Usage: bash scripts/gpu-train-drafter.sh [--kind dflash|dspark] [--for SECONDS] [--resume]
 #        [any other train-drafter flags]
@@ -51,6 +52,11 @@ target=.gpu/work/qwen15
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 drafter=.gpu/work/drafter-$kind
+# Answers an earlier session brought back (below) spare the target writing them again.
+if [ -f .gpu/train/answers.jsonl.xz ] && [ ! -f "$drafter/answers.jsonl" ]; then
+  mkdir -p "$drafter"
+  xz -dc .gpu/train/answers.jsonl.xz > "$drafter/answers.jsonl"
+fi
 start=$(date +%s)
 status=0
 limit=()
@@ -62,7 +68,13 @@ tr '\r' '\n' < "$out/train.log" | grep -v '^$' | tail -n 40
 echo "this run trained for $(( $(date +%s) - start )) s"
 [ -f "$drafter/training/log.jsonl" ] && cp "$drafter/training/log.jsonl" "$out/"
 if [ "$status" -ne 0 ]; then
-  [ "$status" -eq 124 ] && { echo "stopped after $seconds s: run again with --resume and the same flags"; exit 0; }
+  if [ "$status" -eq 124 ]; then
+    # A stopped run returns the answers too (a few MB), which a later session carries
+    # as .gpu/train/answers.jsonl.xz instead of having them written again.
+    [ -f "$drafter/answers.jsonl" ] && xz -T0 -c "$drafter/answers.jsonl" > "$out/answers.jsonl.xz"
+    echo "stopped after $seconds s: run again with --resume and the same flags"
+    exit 0
+  fi
   exit "$status"
 fi
 "$dspec" bench --target "$target" --drafter "$drafter" --prompts .gpu/train/eval.txt \
