@@ -19,7 +19,7 @@ use dspec_engine::training::checkpoint::write_drafter;
 use dspec_engine::training::data::Example;
 use dspec_engine::training::net::{block_hidden, initial_params};
 use dspec_engine::training::objective::dspark_logits;
-use dspec_engine::training::spec::{drafter_spec, target_config, DrafterKind};
+use dspec_engine::training::spec::{drafter_spec, target_config, DrafterKind, DrafterSpec};
 use dspec_engine::training::trainer::{fit_fc_to_taps, frozen_tensors, logits_per_pass};
 use dspec_plugin_api::DrafterOptions;
 
@@ -361,20 +361,15 @@ fn a_trained_dspark_drafter_keeps_drafts_on_held_out_prompts() {
     a_trained_drafter_keeps_drafts_on_held_out_prompts(DrafterKind::Dspark);
 }
 
-/// Trains `steps` steps on `examples` into `out`, stopping after `stop_after` when given.
-fn train_into(
-    loaded: &dspec_engine::loading::LoadedModel,
-    examples: &[Example],
-    out: &Path,
-    steps: usize,
-    stop_after: Option<usize>,
-    resume: bool,
-) {
-    train_with(loaded, examples, out, steps, stop_after, resume, |_| {});
+/// The drafter the training tests train: DFlash, one layer, block 6, taps 0 and 1.
+fn small_spec(loaded: &dspec_engine::loading::LoadedModel) -> DrafterSpec {
+    let (_, common) = target_config(&loaded.dir).unwrap();
+    drafter_spec(DrafterKind::Dflash, &common, "float32", 1, 6, vec![0, 1]).unwrap()
 }
 
-/// [`train_into`] with options changed by `adjust`.
-fn train_with(
+/// Trains `steps` steps of [`small_spec`] on `examples` into `out`, stopping after
+/// `stop_after` when given, with the tests' options changed by `adjust`.
+fn train_into(
     loaded: &dspec_engine::loading::LoadedModel,
     examples: &[Example],
     out: &Path,
@@ -384,8 +379,7 @@ fn train_with(
     adjust: impl Fn(&mut dspec_engine::training::trainer::TrainOptions),
 ) {
     use dspec_engine::training::trainer::{train, Length, TrainOptions};
-    let (_, common) = target_config(&loaded.dir).unwrap();
-    let spec = drafter_spec(DrafterKind::Dflash, &common, "float32", 1, 6, vec![0, 1]).unwrap();
+    let spec = small_spec(loaded);
     let mut options = TrainOptions {
         out: out.to_path_buf(),
         length: Length::Steps(steps),
@@ -427,9 +421,9 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
         })
         .collect();
     let whole = tempfile::tempdir().unwrap();
-    train_into(&loaded, &examples, whole.path(), 12, None, false);
+    train_into(&loaded, &examples, whole.path(), 12, None, false, |_| {});
     let parts = tempfile::tempdir().unwrap();
-    train_into(&loaded, &examples, parts.path(), 12, Some(6), false);
+    train_into(&loaded, &examples, parts.path(), 12, Some(6), false, |_| {});
     let halfway = saved_params(parts.path());
     // Read now: loaded arrays are read from the file lazily, and the file is rewritten.
     mlx_rs::transforms::eval(halfway.values()).unwrap();
@@ -439,7 +433,7 @@ fn a_resumed_run_equals_an_uninterrupted_one() {
     let mut log = std::fs::read_to_string(&log_path).unwrap();
     log.push_str("{\"step\": 7, \"loss\": 1.0}\n");
     std::fs::write(&log_path, log).unwrap();
-    train_into(&loaded, &examples, parts.path(), 12, None, true);
+    train_into(&loaded, &examples, parts.path(), 12, None, true, |_| {});
     // The resumed run took steps 7 to 12 only: six and six lines in the log.
     let log = std::fs::read_to_string(parts.path().join("training/log.jsonl")).unwrap();
     let steps: Vec<u64> = log
@@ -481,7 +475,7 @@ fn a_step_in_several_passes_equals_one_pass() {
         }
     };
     let one = tempfile::tempdir().unwrap();
-    train_with(
+    train_into(
         &loaded,
         &examples,
         one.path(),
@@ -491,7 +485,7 @@ fn a_step_in_several_passes_equals_one_pass() {
         passes(usize::MAX),
     );
     let several = tempfile::tempdir().unwrap();
-    train_with(
+    train_into(
         &loaded,
         &examples,
         several.path(),
@@ -501,20 +495,10 @@ fn a_step_in_several_passes_equals_one_pass() {
         passes(1),
     );
     let (a, b) = (saved_params(one.path()), saved_params(several.path()));
-    let fresh = initial_params(
-        &drafter_spec(
-            DrafterKind::Dflash,
-            &target_config(&loaded.dir).unwrap().1,
-            "float32",
-            1,
-            6,
-            vec![0, 1],
-        )
-        .unwrap()
-        .shape
-        .tensors(),
-        4,
-    );
+    // Where both runs started: fresh weights, `fc` fitted to the first example's taps.
+    let spec = small_spec(&loaded);
+    let mut fresh = initial_params(&spec.shape.tensors(), 4);
+    fit_fc_to_taps(&mut fresh, loaded.model.as_ref(), &spec, &examples).unwrap();
     for (name, value) in &a {
         let diff = max_abs_diff(value, &b[name]);
         assert!(diff < 1e-5, "{name} differs by {diff}");

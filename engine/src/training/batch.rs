@@ -144,7 +144,10 @@ pub fn prepare(
         })
         .collect();
     let outputs = target.forward_batch(&mut rows, taps)?;
+    // Nothing reads the caches again: dropped before the pass is evaluated, their keys
+    // and values are freed as the forward runs instead of held until it ends.
     drop(rows);
+    drop(caches);
 
     let longest = padded.iter().map(Vec::len).max().unwrap_or(0) as i32;
     let mut contexts = Vec::with_capacity(sequences.len());
@@ -152,16 +155,14 @@ pub fn prepare(
         let hidden = out.hidden.as_ref().ok_or_else(|| {
             EngineError::Invalid("the target returned no hidden states at the tap layers".into())
         })?;
-        let hidden = hidden.as_dtype(Dtype::Float32)?;
         let short = longest - p.len() as i32;
-        contexts.push(match short {
-            0 => hidden,
-            _ => {
-                let width = hidden.shape()[2];
-                let zeros = mlx_rs::ops::zeros::<f32>(&[1, short, width])?;
-                mlx_rs::ops::concatenate(&[hidden, zeros], 1)?
-            }
-        });
+        let widths: &[(i32, i32)] = &[(0, 0), (0, short), (0, 0)];
+        contexts.push(mlx_rs::ops::pad(
+            hidden.as_dtype(Dtype::Float32)?,
+            widths,
+            None,
+            None,
+        )?);
     }
     let context = mlx_rs::ops::concatenate(&contexts, 0)?;
 

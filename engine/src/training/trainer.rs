@@ -262,19 +262,15 @@ fn passes<'a>(
     sequences.sort_by_key(|s| (s.example.soft, s.example.tokens.len()));
     let per_block = layout.predicted().max(1) as usize * shape.vocab.max(1) as usize;
     let mut all: Vec<Vec<Anchored<'a>>> = Vec::new();
-    let mut blocks = 0;
     for seq in sequences {
-        let joins = all.last().is_some_and(|pass| {
-            let same_kind = pass[0].example.soft == seq.example.soft;
-            let widest = blocks.max(seq.anchors.len());
-            same_kind && (pass.len() + 1) * widest * per_block <= budget
-        });
-        if joins {
-            blocks = blocks.max(seq.anchors.len());
-            all.last_mut().expect("a pass to join").push(seq);
-        } else {
-            blocks = seq.anchors.len();
-            all.push(vec![seq]);
+        let fits = |pass: &Vec<Anchored<'a>>| {
+            let widest = pass.iter().chain([&seq]).map(|s| s.anchors.len()).max();
+            pass[0].example.soft == seq.example.soft
+                && (pass.len() + 1) * widest.unwrap_or(0) * per_block <= budget
+        };
+        match all.last_mut() {
+            Some(pass) if fits(pass) => pass.push(seq),
+            _ => all.push(vec![seq]),
         }
     }
     all
