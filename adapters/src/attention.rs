@@ -283,7 +283,7 @@ fn whole_buffer_bias(visible: &Array, len: i32, capacity: i32, dtype: Dtype) -> 
 /// The lowest finite value of a float dtype: an additive mask of it hides a key as
 /// surely as −∞ does, without the NaN that −∞ gives a row (or a kernel's tile of a row)
 /// whose keys are all hidden.
-fn lowest_value(dtype: Dtype) -> f32 {
+pub(crate) fn lowest_value(dtype: Dtype) -> f32 {
     match dtype {
         Dtype::Float16 => -65504.0,
         Dtype::Bfloat16 => -3.389_531_4e38,
@@ -847,7 +847,7 @@ impl Attention {
         // One query a call on the CPU, where it rounds as a one-token step does; all at
         // once elsewhere, where every call's graph nodes cost host time.
         let queries = match Backend::current() {
-            Backend::Cpu => Queries::ByDepth,
+            Backend::Cpu => Queries::EachAlone,
             _ => Queries::AtOnce,
         };
         let (out, order) = pooled_attention::attend(q, &step, queries)?;

@@ -5,21 +5,22 @@
 //!
 //! A row of one new token has one query; a row that verifies drafts has one per
 //! position, each seeing the keys up to its own. Those can attend in one call (the
-//! queries of every slot side by side, padded to the longest row), or in one call per
-//! position depth (the j-th positions of every row together, one query a slot). One
-//! call is fewest graph nodes, which bound a GPU's step; one query a call computes each
-//! position as a one-token step over the pool does, which on the CPU rounds differently
-//! from a call of several queries.
+//! queries of every slot side by side, padded to the longest row), or each as a call of
+//! its own would compute it. One call is fewest graph nodes, which bound a GPU's step;
+//! each query alone computes each position as a one-token step over the pool does,
+//! which on the CPU rounds differently from a call of several queries.
 //!
 //! [`KvCache::append_each`]: dspec_plugin_api::KvCache::append_each
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::{arange, concatenate};
+use mlx_rs::ops::{arange, concatenate, matmul, select, softmax_axis};
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::PoolView;
 use dspec_runtime::slicing::slice_axis;
+
+use crate::attention::lowest_value;
 
 /// Attention over a pool reads positions in multiples of this many, up to the longest
 /// a query sees: shapes then repeat from one step to the next for a while.
@@ -40,8 +41,8 @@ pub struct PooledStep<'a> {
 pub enum Queries {
     /// Every query in one call.
     AtOnce,
-    /// One call per position depth, one query a slot.
-    ByDepth,
+    /// Each query as a call of its own computes it (in a few calls for all).
+    EachAlone,
 }
 
 /// Attention of `q` (`[T, heads, 1, D]`, one position a row) over the pool of `step`:
@@ -50,7 +51,7 @@ pub enum Queries {
 pub fn attend(q: &Array, step: &PooledStep, queries: Queries) -> Result<(Array, Vec<u32>)> {
     match queries {
         Queries::AtOnce => at_once(q, step),
-        Queries::ByDepth => by_depth(q, step),
+        Queries::EachAlone => each_alone(q, step),
     }
 }
 
@@ -92,35 +93,111 @@ fn at_once(q: &Array, step: &PooledStep) -> Result<(Array, Vec<u32>)> {
     Ok((out.take_axis(Array::from_slice(&taking, &[len]), 0)?, order))
 }
 
-/// One call per position depth: the j-th positions of every slot that has one.
-fn by_depth(q: &Array, step: &PooledStep) -> Result<(Array, Vec<u32>)> {
+/// Every query as a call of its own computes it, in a few graph nodes for all of them:
+/// MLX's attention of one query splits the query heads by key head and multiplies each
+/// by the keys in a product of one row, masks with the dtype's lowest value, takes the
+/// precise softmax, and multiplies by the values in a product of one row. The same
+/// operations here carry an axis of positions per slot, over which the slot's keys and
+/// values are broadcast (not copied), so each product is still one row over the same
+/// keys: the same sums, bit for bit, as one query a call. Slots that feed as many
+/// positions as each other go together, in runs that read only their own buffers.
+fn each_alone(q: &Array, step: &PooledStep) -> Result<(Array, Vec<u32>)> {
     let view = step.view;
-    let count = view.lengths.len();
-    let widest = view.written.iter().copied().max().unwrap_or(1).max(1);
-    let mut outs = Vec::with_capacity(widest as usize);
+    let mut outs = Vec::new();
     let mut order = Vec::new();
-    for j in 0..widest {
-        let mut source = vec![0u32; count];
-        let mut sees = vec![1i32; count];
-        let mut taking = Vec::new();
-        for slot in (0..count).filter(|&slot| j < view.written[slot]) {
-            source[slot] = (step.first[slot] + j) as u32;
-            sees[slot] = view.lengths[slot] - view.written[slot] + j + 1;
-            taking.push(slot as u32);
-            order.push(source[slot]);
+    let mut widths: Vec<i32> = view.written.iter().copied().filter(|&w| w > 0).collect();
+    widths.sort_unstable();
+    widths.dedup();
+    for width in widths {
+        let slots: Vec<usize> = (0..view.written.len())
+            .filter(|&slot| view.written[slot] == width)
+            .collect();
+        for run in slot_runs(&slots) {
+            let (lo, hi) = (run[0], run[run.len() - 1] + 1);
+            let n = hi - lo;
+            // Slot lo + i's j-th query is row `source[i·width + j]` of `q`, seeing the
+            // keys before `sees[i·width + j]`; slots in the run that feed other widths
+            // compute row 0 seeing key 0, dropped.
+            let mut source = vec![0u32; n * width as usize];
+            let mut sees = vec![1i32; n * width as usize];
+            let mut taking = Vec::new();
+            for &slot in run {
+                let before = view.lengths[slot] - width;
+                for j in 0..width {
+                    let at = (slot - lo) * width as usize + j as usize;
+                    source[at] = (step.first[slot] + j) as u32;
+                    sees[at] = before + j + 1;
+                    taking.push(at as u32);
+                    order.push(source[at]);
+                }
+            }
+            let out = alone_over(q, step, (lo as i32, hi as i32), width, &source, &sees)?;
+            let len = taking.len() as i32;
+            outs.push(out.take_axis(Array::from_slice(&taking, &[len]), 0)?);
         }
-        let queries = q.take_axis(Array::from_slice(&source, &[count as i32]), 0)?;
-        let longest = sees.iter().copied().max().unwrap_or(1);
-        let sees = Array::from_slice(&sees, &[count as i32, 1, 1, 1]);
-        let out = over_pool(&queries, step, &sees, longest)?;
-        let len = taking.len() as i32;
-        outs.push(out.take_axis(Array::from_slice(&taking, &[len]), 0)?);
     }
     let out = match outs.len() {
-        1 => outs.pop().expect("one depth"),
+        1 => outs.pop().expect("one call"),
         _ => concatenate(&outs, 0)?,
     };
     Ok((out, order))
+}
+
+/// Rows `source` of `q` (`[T, heads, 1, D]`), `width` a slot for the pool's slots
+/// `lo..hi`, each query alone over its slot's keys before its `sees`:
+/// `[(hi − lo) · width, heads, 1, D]`.
+fn alone_over(
+    q: &Array,
+    step: &PooledStep,
+    (lo, hi): (i32, i32),
+    width: i32,
+    source: &[u32],
+    sees: &[i32],
+) -> Result<Array> {
+    let view = step.view;
+    let (n, heads, d) = (hi - lo, q.shape()[1], q.shape()[3]);
+    let kv_heads = view.keys.shape()[1];
+    let longest = sees.iter().copied().max().unwrap_or(1);
+    let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
+    let used = used.min(view.keys.shape()[2]);
+    let dtype = q.dtype();
+    // [n, width, kv_heads, group, 1, D]: one query a matrix, as MLX's one-query call
+    // lays it out with the slot's positions in front.
+    let queries = q
+        .take_axis(Array::from_slice(source, &[n * width]), 0)?
+        .multiply(Array::from_f32(step.scale).as_dtype(dtype)?)?
+        .reshape(&[n, width, kv_heads, heads / kv_heads, 1, d])?;
+    // [n, 1, kv_heads, 1, used, D]: the slot's keys and values, broadcast over its
+    // positions and the query heads that share them.
+    let own = |buffer: &Array| -> Result<Array> {
+        let rows = slice_axis(&slice_axis(buffer, 0, lo, hi)?, 2, 0, used)?;
+        Ok(rows.reshape(&[n, 1, kv_heads, 1, used, d])?)
+    };
+    let (keys, values) = (own(&view.keys)?, own(&view.values)?);
+    let scores = matmul(&queries, keys.swap_axes(-1, -2)?)?;
+    let at = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, 1, 1, used])?;
+    let sees = Array::from_slice(sees, &[n, width, 1, 1, 1, 1]);
+    let mut visible = at.lt(&sees)?;
+    if let Some(w) = step.sliding_window {
+        visible = visible.logical_and(&at.gt(sees.subtract(Array::from_int(w + 1))?)?)?;
+    }
+    let hidden = Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?;
+    let scores = softmax_axis(&select(&visible, &scores, &hidden)?, -1, true)?;
+    Ok(matmul(&scores, &values)?.reshape(&[n * width, heads, 1, d])?)
+}
+
+/// `slots` (ascending) in runs that one call reads together: a gap of one slot is read
+/// along (about what a call's own graph costs), a wider one starts a new run.
+fn slot_runs(slots: &[usize]) -> Vec<&[usize]> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for i in 1..=slots.len() {
+        if i == slots.len() || slots[i] - slots[i - 1] > 2 {
+            runs.push(&slots[start..i]);
+            start = i;
+        }
+    }
+    runs
 }
 
 /// `queries` (`[slots, heads, L, D]`) over the pool, query (s, j) seeing the keys before
@@ -153,20 +230,25 @@ mod tests {
     use dspec_runtime::Backend;
     use mlx_rs::random;
 
+    /// Query heads, key/value heads and head size of the pools below.
+    const H: i32 = 6;
+    const KV: i32 = 2;
+    const D: i32 = 64;
+
     fn normal(shape: &[i32], seed: u64) -> Array {
         let key = random::key(seed).unwrap();
         random::normal::<f32>(shape, None, None, Some(&key)).unwrap()
     }
 
-    /// Three sequences in a pool (2 KV heads of 4 under 4 query heads), 5, 9 and 2
-    /// positions held, then 3, 1 and 2 new ones written at once: both ways of querying
+    /// Three sequences in a pool (2 KV heads of 64 under 6 query heads), 37, 70 and 5
+    /// positions held, then 4, 1 and 3 new ones written at once: both ways of querying
     /// give each new position what one query over its own sequence's keys up to it
     /// gives, with and without a sliding window.
     #[test]
     fn every_position_sees_its_own_keys_up_to_itself() {
-        let held = [5, 9, 2];
-        let lens = [3, 1, 2];
-        let starts = [0, 3, 4];
+        let held = [37, 70, 5];
+        let lens = [4, 1, 3];
+        let starts = [0, 4, 5];
         for window in [None, Some(3)] {
             let pool = KvPool::new();
             let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::new()).collect();
@@ -174,14 +256,14 @@ mod tests {
             for (i, (c, o)) in caches.iter_mut().zip(&mut own).enumerate() {
                 c.join_pool(&pool).unwrap();
                 let (k, v) = (
-                    normal(&[1, 2, held[i], 4], i as u64),
-                    normal(&[1, 2, held[i], 4], 10 + i as u64),
+                    normal(&[1, KV, held[i], D], i as u64),
+                    normal(&[1, KV, held[i], D], 10 + i as u64),
                 );
                 c.update_and_fetch(&k, &v).unwrap();
                 o.update_and_fetch(&k, &v).unwrap();
             }
-            let (k, v) = (normal(&[6, 2, 1, 4], 20), normal(&[6, 2, 1, 4], 21));
-            let q = normal(&[6, 4, 1, 4], 22);
+            let (k, v) = (normal(&[8, KV, 1, D], 20), normal(&[8, KV, 1, D], 21));
+            let q = normal(&[8, H, 1, D], 22);
             let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
             let (view, slots) = KvCache::append_each(&mut refs, &k, &v, &starts, &lens)
                 .unwrap()
@@ -193,7 +275,7 @@ mod tests {
             let step = PooledStep {
                 view: &view,
                 first,
-                scale: 0.5,
+                scale: 0.125,
                 sliding_window: window,
             };
             // One query at a time over the sequence's own keys up to its position.
@@ -204,17 +286,17 @@ mod tests {
                     let at = |a: &Array| a.take_axis(Array::from_int(row), 0).unwrap();
                     let (keys, values) = o
                         .update_and_fetch(
-                            &at(&k).reshape(&[1, 2, 1, 4]).unwrap(),
-                            &at(&v).reshape(&[1, 2, 1, 4]).unwrap(),
+                            &at(&k).reshape(&[1, KV, 1, D]).unwrap(),
+                            &at(&v).reshape(&[1, KV, 1, D]).unwrap(),
                         )
                         .unwrap();
                     let end = held[i] + j + 1;
                     let from = window.map_or(0, |w| (end - w).max(0));
                     let out = scaled_dot_product_attention(
-                        at(&q).reshape(&[1, 4, 1, 4]).unwrap(),
+                        at(&q).reshape(&[1, H, 1, D]).unwrap(),
                         slice_axis(&keys, 2, from, end).unwrap(),
                         slice_axis(&values, 2, from, end).unwrap(),
-                        0.5,
+                        0.125,
                         None,
                         None,
                     )
@@ -228,16 +310,50 @@ mod tests {
                 Backend::Cpu => 1e-5,
                 _ => 5e-3,
             };
-            for queries in [Queries::AtOnce, Queries::ByDepth] {
+            for queries in [Queries::AtOnce, Queries::EachAlone] {
                 let (out, order) = attend(&q, &step, queries).unwrap();
-                assert_eq!(order.len(), 6, "{queries:?}");
+                assert_eq!(order.len(), 8, "{queries:?}");
                 for (row, want) in &expected {
                     let at = order.iter().position(|r| r == row).expect("every row");
                     let got = out.take_axis(Array::from_int(at as i32), 0).unwrap();
-                    let got = got.reshape(&[1, 4, 1, 4]).unwrap();
+                    let got = got.reshape(&[1, H, 1, D]).unwrap();
                     assert!(
                         got.all_close(want, tolerance, tolerance, None).unwrap(),
                         "{queries:?}, window {window:?}, row {row}"
+                    );
+                }
+            }
+            // Each query alone gives, bit for bit, what a one-token step over the pool
+            // gives the same position (one query of one slot), on every backend.
+            let (out, order) = attend(&q, &step, Queries::EachAlone).unwrap();
+            for (i, &slot) in slots.iter().enumerate() {
+                for j in 0..lens[i] {
+                    let before = view.lengths[slot] - view.written[slot];
+                    let mut lengths = view.lengths.clone();
+                    let mut written = vec![0; lengths.len()];
+                    let mut first = vec![0; lengths.len()];
+                    (lengths[slot], written[slot], first[slot]) =
+                        (before + j + 1, 1, starts[i] + j);
+                    let alone = PoolView {
+                        keys: view.keys.clone(),
+                        values: view.values.clone(),
+                        lengths,
+                        written,
+                    };
+                    let one = PooledStep {
+                        view: &alone,
+                        first,
+                        scale: 0.125,
+                        sliding_window: window,
+                    };
+                    let (want, _) = attend(&q, &one, Queries::AtOnce).unwrap();
+                    let row = (starts[i] + j) as u32;
+                    let at = order.iter().position(|&r| r == row).expect("every row");
+                    let got = out.take_axis(Array::from_int(at as i32), 0).unwrap();
+                    let got = got.reshape(&[1, H, 1, D]).unwrap();
+                    assert!(
+                        got.array_eq(&want, None).unwrap().item::<bool>(),
+                        "window {window:?}, row {row}: not a one-token step's bits"
                     );
                 }
             }
