@@ -161,7 +161,8 @@ pub fn load_dir(dir: &Path, options: &LoadOptions) -> Result<Box<dyn TargetModel
 }
 
 /// The conformance test of a family: float checkpoint, quantized checkpoint, and
-/// quantize-on-load all pass the shared checker. Panics with the failing comparison.
+/// quantize-on-load all share their weights and pass the shared checker. Panics with
+/// the failing comparison.
 /// For this crate's own tests, which alone have `tempfile`.
 #[cfg(test)]
 pub fn check_family(config_json: &str) {
@@ -202,6 +203,10 @@ pub fn check_family(config_json: &str) {
                 "{what}: model should report quantized layers"
             );
         }
+        assert!(
+            model.share().is_some(),
+            "{what}: the model shares no handle on its weights"
+        );
         dspec_plugin_api::conformance::check_target_model(model.as_ref())
             .unwrap_or_else(|e| panic!("{what}: {e}"));
     }

@@ -188,11 +188,13 @@ fn read_a_log(w: &mut dyn WeightSource, name: &str, heads: i32) -> Result<Array>
 }
 
 /// The input projections: q|k|v, z, b and a as one product when they fuse.
+#[derive(Clone)]
 enum InProj {
     Fused { all: Linear, sizes: [i32; 4] },
     Separate(Box<[Linear; 4]>),
 }
 
+#[derive(Clone)]
 pub struct GatedDeltaNet {
     spec: DeltaNetSpec,
     in_proj: InProj,

@@ -240,11 +240,13 @@ impl HybridConfig {
 
 /// One hybrid layer's mixer. A few per model, built once: their sizes do not matter.
 #[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
 enum Mixer {
     Attention(Attention),
     DeltaNet(GatedDeltaNet),
 }
 
+#[derive(Clone)]
 struct HybridLayer {
     mixer: Mixer,
     mlp: FeedForward,
@@ -252,6 +254,8 @@ struct HybridLayer {
     post_norm: RmsNorm,
 }
 
+/// A clone shares the weights (MLX arrays are handles): see [`TargetModel::share`].
+#[derive(Clone)]
 pub struct HybridDecoder {
     info: ModelInfo,
     embed: Embedding,
@@ -533,6 +537,10 @@ impl TargetModel for HybridDecoder {
 
     fn batches_rows(&self) -> bool {
         true
+    }
+
+    fn share(&self) -> Option<Box<dyn TargetModel>> {
+        Some(Box::new(self.clone()))
     }
 
     fn embed(&self, tokens: &Array) -> Result<Array> {

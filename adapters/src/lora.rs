@@ -258,6 +258,10 @@ pub fn load_adapted(
     };
     let model = Decoder::load(spec, &mut source)?;
     source.check_all_attached()?;
+    let model = match switch {
+        Some(_) => model.unshareable(),
+        None => model,
+    };
     Ok(AdaptedModel {
         model: Box::new(model),
         switch,

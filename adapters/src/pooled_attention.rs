@@ -352,7 +352,7 @@ mod tests {
                     let got = out.take_axis(Array::from_int(at as i32), 0).unwrap();
                     let got = got.reshape(&[1, H, 1, D]).unwrap();
                     assert!(
-                        got.array_eq(&want, None).unwrap().item::<bool>(),
+                        got.eq_values(&want).unwrap(),
                         "window {window:?}, row {row}: not a one-token step's bits"
                     );
                 }

@@ -213,6 +213,11 @@ pub struct Decoder {
     short_kernels: bool,
     /// Compiling those kernels, started while the weights loaded ([`cuda::warm_up`]).
     _warm_up: Option<cuda::WarmUp>,
+    /// Whether [`TargetModel::share`] hands out handles: not on a rank of a
+    /// tensor-parallel group (its forwards are collectives, which every rank enters in
+    /// the same order), nor over a LoRA adapter behind a switch (every handle would read
+    /// the one switch).
+    shareable: bool,
 }
 
 /// Bytes of weights one decode step reads, from the spec's shapes at `bytes_per_weight`:
@@ -350,7 +355,17 @@ impl Decoder {
             whole_buffer: whole_buffer_pays(),
             short_kernels: kernels,
             _warm_up: warm_up,
+            shareable: tp.is_none(),
         })
+    }
+
+    /// A model whose [`TargetModel::share`] hands out nothing: its layers read a LoRA
+    /// adapter's switch, which would flip every handle's forwards at once.
+    pub(crate) fn unshareable(self) -> Self {
+        Self {
+            shareable: false,
+            ..self
+        }
     }
 
     /// One forward pass over `tokens` after the cache (arguments already checked).
@@ -498,6 +513,44 @@ impl TargetModel for Decoder {
 
     fn batches_rows(&self) -> bool {
         true
+    }
+
+    fn share(&self) -> Option<Box<dyn TargetModel>> {
+        // Named field by field, so that a field added later is thought about here.
+        let Self {
+            info,
+            embed,
+            embed_scale,
+            layers,
+            norm,
+            lm_head,
+            final_logit_softcap,
+            rowwise_verify,
+            whole_buffer,
+            short_kernels,
+            _warm_up: _,
+            shareable,
+        } = self;
+        if !shareable {
+            return None;
+        }
+        Some(Box::new(Self {
+            info: info.clone(),
+            embed: embed.clone(),
+            embed_scale: *embed_scale,
+            layers: layers.clone(),
+            norm: norm.clone(),
+            lm_head: lm_head.clone(),
+            final_logit_softcap: *final_logit_softcap,
+            rowwise_verify: *rowwise_verify,
+            whole_buffer: *whole_buffer,
+            short_kernels: *short_kernels,
+            // The compile is the process's (MLX keeps what it compiled for every thread,
+            // and a call that comes first waits for it); the model that started it
+            // waits for it when dropped.
+            _warm_up: None,
+            shareable: true,
+        }))
     }
 
     fn embed(&self, tokens: &Array) -> Result<Array> {

@@ -562,6 +562,10 @@ impl Drafter for DFlashDrafter {
             dtype: self.dtype,
         }))
     }
+
+    fn forks(&self) -> bool {
+        true
+    }
 }
 
 /// Whether a config.json describes a DFlash drafter.

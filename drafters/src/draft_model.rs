@@ -2,7 +2,11 @@
 //! of its own forward pass per round. Any model an adapter (built-in or plugin) loads
 //! can draft. The model runs on its own thread ([`crate::draft_thread`]), which keeps
 //! its cache to what the target committed plus its own greedy continuation, and on a
-//! GPU drafts the next round while the target verifies this one.
+//! GPU drafts the next round while the target verifies this one. Where the model shares
+//! its weights ([`TargetModel::share`]), the drafter forks: each fork drafts for its own
+//! sequence on a thread of its own, over the same weights.
+
+use std::sync::Once;
 
 use mlx_rs::ops::concatenate;
 use mlx_rs::Array;
@@ -15,7 +19,7 @@ use dspec_plugin_api::{
 };
 use dspec_runtime::Backend;
 
-use crate::draft_thread::DraftThread;
+use crate::draft_thread::{warm_up, DraftThread};
 
 /// Committed tokens worth sending to the thread before drafting resumes: a whole
 /// continuation's width, the longest forward the thread reads them in.
@@ -24,6 +28,9 @@ const FEED_AT: usize = WHOLE_BUFFER_MAX_TOKENS as usize;
 pub struct DraftModelDrafter {
     /// The model and its cache, on their own thread.
     thread: DraftThread,
+    /// A share of the model's weights kept on this thread, taken once they were
+    /// evaluated, which forks share in turn; `None` where the model cannot share them.
+    weights: Option<Box<dyn TargetModel>>,
     /// Committed tokens the thread has not been told about yet.
     unsent: Vec<u32>,
     /// How many tokens at the head of `unsent`, and of the `last` after them, a drafting
@@ -40,6 +47,9 @@ pub struct DraftModelDrafter {
     /// Whether the thread works while the target does: then it also reads runs of
     /// plain steps as they come ([`FEED_AT`]).
     overlaps: bool,
+    /// Settings a fork takes: whether to draft ahead, and what a generation may add.
+    ahead: DraftAhead,
+    max_new_tokens: Option<usize>,
 }
 
 impl DraftModelDrafter {
@@ -52,14 +62,49 @@ impl DraftModelDrafter {
         ahead: DraftAhead,
         max_new_tokens: Option<usize>,
     ) -> Result<Self> {
-        Ok(Self {
-            thread: DraftThread::spawn(model, target_vocab, ahead, max_new_tokens)?,
+        warm_up(model.as_ref())?;
+        // Shared once evaluated: forks move shares of it to threads of their own.
+        let weights = model.share();
+        let thread = DraftThread::spawn_warm(model, target_vocab, ahead, max_new_tokens)?;
+        Ok(Self::on(
+            thread,
+            weights,
+            target_vocab,
+            ahead,
+            max_new_tokens,
+        ))
+    }
+
+    /// A drafter for a fresh sequence on `thread`.
+    fn on(
+        thread: DraftThread,
+        weights: Option<Box<dyn TargetModel>>,
+        target_vocab: usize,
+        ahead: DraftAhead,
+        max_new_tokens: Option<usize>,
+    ) -> Self {
+        Self {
+            thread,
+            weights,
             unsent: Vec::new(),
             accounted: 0,
             sent_last: false,
             target_vocab,
             overlaps: ahead != DraftAhead::Off,
-        })
+            ahead,
+            max_new_tokens,
+        }
+    }
+
+    /// A drafter of the same settings over a share of the same weights, drafting on a
+    /// thread of its own; `None` where the weights are not shared.
+    fn fork_on_thread(&self) -> Option<Result<Self>> {
+        let weights = self.weights.as_ref()?;
+        let (model, kept) = (weights.share()?, weights.share());
+        // The shares hold the weights `new` evaluated: nothing to warm up.
+        let thread =
+            DraftThread::spawn_warm(model, self.target_vocab, self.ahead, self.max_new_tokens);
+        Some(thread.map(|t| Self::on(t, kept, self.target_vocab, self.ahead, self.max_new_tokens)))
     }
 
     /// Pads distributions over the draft vocabulary to the target's (with zeros: the
@@ -156,6 +201,28 @@ impl Drafter for DraftModelDrafter {
     fn agreement(&mut self) -> Option<Agreement> {
         Some(self.thread.agreement())
     }
+
+    fn fork(&self) -> Option<Box<dyn Drafter>> {
+        match self.fork_on_thread()? {
+            Ok(fork) => Some(Box::new(fork)),
+            Err(e) => {
+                // The sequence decodes without drafts. A server forks for every request it
+                // takes: once is enough to say why.
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    eprintln!(
+                        "[dspec] warning: a sequence decodes without drafts: {e} (said once; \
+                         later sequences may too)"
+                    )
+                });
+                None
+            }
+        }
+    }
+
+    fn forks(&self) -> bool {
+        self.weights.is_some()
+    }
 }
 
 fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {
@@ -197,7 +264,7 @@ inventory::submit! {
 mod tests {
     use super::*;
     use dspec_adapters::fixtures::{load_dir, write_random_model, TINY_LLAMA};
-    use dspec_plugin_api::{LoadOptions, ModelError};
+    use dspec_plugin_api::{ForwardOutput, LoadOptions, ModelCache, ModelError, ModelInfo};
 
     /// Greedy drafting never asks the picker: the draft thread takes the argmax.
     struct Greedy;
@@ -244,5 +311,88 @@ mod tests {
             batched.propose(t, next, 3, &mut Greedy).unwrap().tokens,
             fresh.propose(t, next, 3, &mut Greedy).unwrap().tokens
         );
+    }
+
+    /// Forks of a drafter draft on threads of their own over the same weights: each one,
+    /// and the drafter it was forked from, drafts for its own sequence what a drafter
+    /// loaded fresh for that sequence alone does, while the others draft for theirs in
+    /// between (drafting ahead, as forks of a drafter that drafts ahead do).
+    #[test]
+    fn forks_draft_what_fresh_drafters_do_each_for_its_own_sequence() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, 6, None).expect("fixture");
+        let load = || load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        let target = load();
+        let t = target.as_ref();
+        let original = DraftModelDrafter::new(load(), 97, DraftAhead::On, None).expect("spawn");
+        assert!(original.forks());
+        let forks = [original.fork(), original.fork()].map(|f| f.expect("a fork"));
+        let mut drafters: Vec<Box<dyn Drafter>> = vec![Box::new(original)];
+        drafters.extend(forks);
+        let mut alone: Vec<DraftModelDrafter> = (0..3)
+            .map(|_| DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn"))
+            .collect();
+        let prompts: [&[u32]; 3] = [&[3, 14, 15], &[92, 65, 35, 89], &[79]];
+        for ((d, a), prompt) in drafters.iter_mut().zip(&mut alone).zip(prompts) {
+            d.begin(t, prompt, None).unwrap();
+            a.begin(t, prompt, None).unwrap();
+        }
+        let mut last = [26, 53, 58];
+        for round in 0..4 {
+            for (i, (d, a)) in drafters.iter_mut().zip(&mut alone).enumerate() {
+                let drafts = d.propose(t, last[i], 4, &mut Greedy).unwrap().tokens;
+                let expected = a.propose(t, last[i], 4, &mut Greedy).unwrap().tokens;
+                assert_eq!(drafts, expected, "drafter {i}, round {round}");
+                // Keeps `round % 3` drafts, then a token the model did not draft.
+                let kept = round % 3;
+                let mut verified = vec![last[i]];
+                verified.extend_from_slice(&drafts[..kept]);
+                d.commit(&verified, None).unwrap();
+                a.commit(&verified, None).unwrap();
+                last[i] = (drafts[kept] + 1) % 97;
+            }
+        }
+    }
+
+    /// A model that does not share its weights, as a plugin's.
+    struct Unshared(Box<dyn TargetModel>);
+
+    impl TargetModel for Unshared {
+        fn info(&self) -> &ModelInfo {
+            self.0.info()
+        }
+        fn new_cache(&self) -> ModelCache {
+            self.0.new_cache()
+        }
+        fn forward(
+            &self,
+            tokens: &Array,
+            cache: &mut ModelCache,
+            taps: &[usize],
+        ) -> Result<ForwardOutput> {
+            self.0.forward(tokens, cache, taps)
+        }
+        fn embed(&self, tokens: &Array) -> Result<Array> {
+            self.0.embed(tokens)
+        }
+        fn lm_head(&self, hidden: &Array) -> Result<Array> {
+            self.0.lm_head(hidden)
+        }
+        fn final_norm(&self, hidden: &Array) -> Result<Array> {
+            self.0.final_norm(hidden)
+        }
+    }
+
+    /// Over a model that does not share its weights, the drafter does not fork, and says
+    /// so when asked.
+    #[test]
+    fn a_model_that_does_not_share_gives_no_forks() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
+        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        let drafter = DraftModelDrafter::new(Box::new(Unshared(model)), 97, DraftAhead::Off, None)
+            .expect("spawn");
+        assert!(!drafter.forks());
+        assert!(drafter.fork().is_none());
     }
 }

@@ -130,8 +130,8 @@ pub struct DraftThread {
 
 /// Evaluates a forward of `model` on a throwaway cache, so that every array the model
 /// derived while loading (fused projections, casts, quantized weights) is computed on
-/// the caller's thread and the model can move to another.
-fn warm_up(model: &dyn TargetModel) -> Result<()> {
+/// the caller's thread and the model (or a share of it) can move to another.
+pub(crate) fn warm_up(model: &dyn TargetModel) -> Result<()> {
     let mut cache = model.new_cache();
     let out = model.forward(&Array::from_slice(&[0u32], &[1, 1]), &mut cache, &[])?;
     out.logits.eval()?;
@@ -149,6 +149,17 @@ impl DraftThread {
         max_new_tokens: Option<usize>,
     ) -> Result<Self> {
         warm_up(model.as_ref())?;
+        Self::spawn_warm(model, vocab, ahead, max_new_tokens)
+    }
+
+    /// [`DraftThread::spawn`] of a model whose arrays are all evaluated already: one
+    /// [`warm_up`] evaluated on this thread, or a share of one taken after it.
+    pub(crate) fn spawn_warm(
+        model: Box<dyn TargetModel>,
+        vocab: usize,
+        ahead: DraftAhead,
+        max_new_tokens: Option<usize>,
+    ) -> Result<Self> {
         let (requests, inbox) = channel();
         let (outbox, replies) = channel();
         let vocab = vocab.min(model.info().vocab_size) as i32;

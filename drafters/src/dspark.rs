@@ -728,6 +728,10 @@ impl Drafter for DSparkDrafter {
             confidence_threshold: self.confidence_threshold,
         }))
     }
+
+    fn forks(&self) -> bool {
+        true
+    }
 }
 
 /// Every way a DSpark checkpoint can fail to fit the target, caught before loading

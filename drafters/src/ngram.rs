@@ -209,6 +209,10 @@ impl Drafter for NgramDrafter {
     fn fork(&self) -> Option<Box<dyn Drafter>> {
         Some(Box::new(NgramDrafter::new(self.longest)))
     }
+
+    fn forks(&self) -> bool {
+        true
+    }
 }
 
 fn load(request: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {

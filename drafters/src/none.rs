@@ -56,6 +56,10 @@ impl Drafter for NoDrafter {
     fn fork(&self) -> Option<Box<dyn Drafter>> {
         Some(Box::new(NoDrafter::default()))
     }
+
+    fn forks(&self) -> bool {
+        true
+    }
 }
 
 fn load(_: &DrafterLoadRequest) -> Result<Box<dyn Drafter>> {

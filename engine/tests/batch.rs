@@ -19,8 +19,9 @@ use dspec_engine::decoding::batch::{BatchDecoder, DraftBudget, Finished, NewSequ
 use dspec_engine::decoding::generate::{generate, GenerationConfig};
 use dspec_engine::decoding::sampling::SamplingParams;
 use dspec_engine::loading::LoadedModel;
+use dspec_engine::tiny_model::write_tiny_model;
 use dspec_plugin_api::error::Result as ModelResult;
-use dspec_plugin_api::{Draft, Drafter, DrafterOptions, TargetModel, TokenPicker};
+use dspec_plugin_api::{Draft, DraftAhead, Drafter, DrafterOptions, TargetModel, TokenPicker};
 
 use common::lossless::{chi_square, exact_joint, greedy_path, params, FixedDrafter, SAMPLES};
 use common::{max_abs_diff, tiny_target};
@@ -476,6 +477,7 @@ fn block_drafters_forked_per_sequence_keep_each_sequence_exact() {
             &full_precision,
         )
         .expect("load the drafter");
+        assert!(server.forks(), "{kind}: forks");
         for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)] {
             let (got, drafts) = batched(
                 &loaded,
@@ -495,6 +497,94 @@ fn block_drafters_forked_per_sequence_keep_each_sequence_exact() {
             }
         }
     }
+}
+
+/// A draft model (`--drafter model:DIR`) loaded once and forked for each sequence, as the
+/// server does: each fork drafts on a thread of its own over the same weights, and every
+/// sequence gets what plain decoding gives it alone, joining mid-stream, on the dense,
+/// hybrid and mixture-of-experts targets. The target drafting for itself has every draft
+/// kept; a smaller model drafting ahead has drafts rejected too.
+#[test]
+fn a_draft_model_forked_per_sequence_keeps_each_sequence_exact() {
+    let smaller = tempfile::tempdir().expect("temp dir");
+    write_tiny_model(smaller.path(), r#"{"num_hidden_layers": 1}"#, 8).expect("a draft model");
+    for (name, overrides) in targets() {
+        let (target_dir, loaded) = tiny_target(&overrides, 5);
+        let (sequences, want) = greedy_sequences(&loaded, 12, 5);
+        for (draft_dir, ahead) in [
+            (target_dir.path(), DraftAhead::Off),
+            (smaller.path(), DraftAhead::On),
+        ] {
+            let twin = draft_dir == target_dir.path();
+            let options = DrafterOptions {
+                draft_ahead: Some(ahead),
+                ..DrafterOptions::default()
+            };
+            let server = common::load_draft_model(&loaded, draft_dir, &options);
+            assert!(server.forks(), "{name}: a draft model forks");
+            for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)]
+            {
+                let (got, drafts) = batched(
+                    &loaded,
+                    sequences.clone(),
+                    &|_| server.fork(),
+                    budget,
+                    join_every,
+                );
+                let what = format!("{name}, twin {twin}, {budget:?}");
+                if budget == DraftBudget::Everything {
+                    assert!(drafts.verified > 0, "{what}: no draft was verified");
+                    if twin {
+                        assert_eq!(
+                            drafts.kept, drafts.verified,
+                            "{what}: the twin is always right"
+                        );
+                    } else {
+                        assert!(drafts.kept < drafts.verified, "{what}: nothing rejected");
+                    }
+                }
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(g, w, "{what}: sequence {i}");
+                }
+            }
+        }
+    }
+}
+
+/// Sampled sequences drafted for by forks of the target's own model as draft model: each
+/// fork draws its drafts from the target's distribution with its sequence's sampler, so
+/// a batched round weighing them by it keeps every one.
+#[test]
+fn sampled_drafts_of_forked_draft_models_are_weighed_by_their_distribution() {
+    let (dir, loaded) = tiny_target("{}", 3);
+    let server = common::load_draft_model(&loaded, dir.path(), &DrafterOptions::default());
+    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 3)
+        .with_draft_budget(DraftBudget::Everything);
+    for i in 0..6u64 {
+        batch
+            .add(NewSequence {
+                prompt: prompts()[i as usize].clone(),
+                config: config(10, params(i * 31 + 7)),
+                drafter: server.fork(),
+                logprobs: None,
+                reused: None,
+            })
+            .expect("joins");
+    }
+    let (mut drafted, mut kept) = (0, 0);
+    while !batch.is_empty() {
+        for p in batch.step().expect("a step") {
+            if let Some(done) = p.finished {
+                drafted += done.speculative.drafted_tokens;
+                kept += done.speculative.accepted_tokens;
+            }
+        }
+    }
+    assert!(drafted > 0, "nothing was drafted");
+    assert_eq!(
+        kept, drafted,
+        "every draft the target's own model drew is kept"
+    );
 }
 
 /// Sequences whose drafters read different layers cannot share a batch (its steps

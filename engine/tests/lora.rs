@@ -368,9 +368,13 @@ fn fused_scores_equal_unfused_and_leave_no_base_model() {
     write_peft(adapter.path(), &f, peft_config(4, 8.0, &MODULES));
     let options = LoadOptions::default();
     let (loaded, lora) = load_lora(model.path(), adapter.path(), LoraMode::Switchable, &options);
+    // Every handle on the weights would read the one switch: none is handed out.
+    assert!(loaded.model.share().is_none());
     let unfused = rolling(&mut scorer(loaded, Some(&lora)), Variant::Adapted);
     let (loaded, lora) = load_lora(model.path(), adapter.path(), LoraMode::Fused, &options);
     assert!(lora.switch.is_none());
+    // Merged into the weights, the adapter is plain weights, shared like any.
+    assert!(loaded.model.share().is_some());
     let mut fused = scorer(loaded, Some(&lora));
     let got = rolling(&mut fused, Variant::Adapted);
     assert!(

@@ -271,8 +271,10 @@ fn chat_completions_stream_the_same_text_they_answer_whole() {
 #[test]
 fn completions_end_before_a_stop_string_and_a_twin_drafter_keeps_every_draft() {
     // The draft model is the target itself: every greedy draft is the target's own
-    // choice, so each round keeps them all.
-    let server = Server::start("model:{dir}", &["--max-draft", "4"]);
+    // choice, so each round keeps them all. One request at a time: a sampled request's
+    // text repeats only alone (in a batch its draws follow the drafts the load lets
+    // through).
+    let server = Server::start("model:{dir}", &["--max-draft", "4", "--max-batch", "1"]);
     let body =
         json!({"model": "tiny", "prompt": "once upon a time", "max_tokens": 24, "temperature": 0});
     let (status, whole) = server.post("/v1/completions", &body);
@@ -1472,12 +1474,25 @@ fn a_dflash_server_batches_and_answers_as_one_at_a_time() {
         3,
     )
     .expect("a DFlash checkpoint");
-    let drafter = drafter.path().to_str().expect("utf-8 path").to_string();
+    batches_and_answers_as_one_at_a_time(drafter.path().to_str().expect("utf-8 path"));
+}
+
+/// A draft model (`model:DIR`, the target itself) served with `--max-batch 4`: requests
+/// decode together, each with a fork of the drafter on a thread of its own, and every
+/// client gets what it gets one at a time.
+#[test]
+fn a_draft_model_server_batches_and_answers_as_one_at_a_time() {
+    batches_and_answers_as_one_at_a_time("model:{dir}");
+}
+
+/// `dspec serve --drafter drafter` with `--max-batch 4` reports a batch of 4, and four
+/// clients arriving while others decode get what each gets from `--max-batch 1`.
+fn batches_and_answers_as_one_at_a_time(drafter: &str) {
     let body = |i: usize| {
         json!({"model": "tiny", "prompt": format!("client {i}: the cat sat on the mat"),
                "max_tokens": 6 + 3 * i, "temperature": 0})
     };
-    let alone_server = Server::start(&drafter, &["--max-batch", "1"]);
+    let alone_server = Server::start(drafter, &["--max-batch", "1"]);
     alone_server.wait_for_log("(batch 1,");
     let alone: Vec<Value> = (0..4)
         .map(|i| {
@@ -1487,7 +1502,7 @@ fn a_dflash_server_batches_and_answers_as_one_at_a_time() {
         })
         .collect();
     drop(alone_server);
-    let server = Arc::new(Server::start(&drafter, &["--max-batch", "4"]));
+    let server = Arc::new(Server::start(drafter, &["--max-batch", "4"]));
     server.wait_for_log("(batch 4,");
     let (answers_tx, answers) = channel();
     for i in 0..4 {

@@ -1,6 +1,7 @@
 //! One checker every `TargetModel` must pass (built-in families and plugins alike):
-//! caching, rolling back (within what the cache says it can) and taps must not change
-//! what the model computes, and a rollback past that must fail.
+//! caching, rolling back (within what the cache says it can), taps and a share of the
+//! weights on another thread must not change what the model computes, and a rollback
+//! past that must fail.
 //!
 //! Tolerance: logits and hidden states are compared with |a−b| ≤ 1e-4 + 1e-4·max|b|
 //! (f32 weights on MLX's CPU backend; the one-token and multi-token attention paths
@@ -223,7 +224,45 @@ pub fn check_target_model(model: &dyn TargetModel) -> Result<(), String> {
         "logits after trim+replay vs a fresh forward",
     )?;
 
-    check_rollback_inside_blocks(model, &tokens, window)
+    check_rollback_inside_blocks(model, &tokens, window)?;
+    check_share(model, &tokens)
+}
+
+/// A share of the model ([`TargetModel::share`]), moved to a thread of its own once the
+/// model's forward was evaluated here, computes there what the model computes, and the
+/// model computes the same afterwards.
+fn check_share(model: &dyn TargetModel, tokens: &[u32]) -> Result<(), String> {
+    let (expected, _) = run(model, &mut model.new_cache(), tokens, &[])?;
+    expected
+        .eval()
+        .map_err(|e| fail("evaluate the logits", e))?;
+    let Some(share) = model.share() else {
+        return Ok(());
+    };
+    let shape = expected.shape().to_vec();
+    let owned = tokens.to_vec();
+    let elsewhere = std::thread::spawn(move || -> Result<Vec<f32>, String> {
+        let (logits, _) = run(share.as_ref(), &mut share.new_cache(), &owned, &[])?;
+        // Only host values leave the thread: its arrays belong to its stream.
+        let logits = logits
+            .as_dtype(mlx_rs::Dtype::Float32)
+            .map_err(|e| fail("a share's logits", e))?;
+        logits.eval().map_err(|e| fail("a share's logits", e))?;
+        Ok(logits.as_slice::<f32>().to_vec())
+    })
+    .join()
+    .map_err(|_| "a share's forward panicked on its thread".to_string())??;
+    compare(
+        &Array::from_slice(&elsewhere, &shape),
+        &expected,
+        "a share's logits on another thread vs the model's",
+    )?;
+    let (again, _) = run(model, &mut model.new_cache(), tokens, &[])?;
+    compare(
+        &again,
+        &expected,
+        "the model's logits after a share ran vs before",
+    )
 }
 
 /// Rolling back inside a block of positions, whether it came one token per forward (a

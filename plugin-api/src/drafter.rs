@@ -202,10 +202,18 @@ pub trait Drafter: Send {
     }
 
     /// A new drafter of the same kind and settings, for another sequence decoded at the
-    /// same time (a server's batch gives each sequence its own), or `None` where one is
-    /// not cheap to make (a drafter that holds a model).
+    /// same time (a server's batch gives each sequence its own), sharing what can be
+    /// shared (weights), or `None` where the drafter cannot make one (a draft model whose
+    /// weights cannot be shared, or a failure making one).
     fn fork(&self) -> Option<Box<dyn Drafter>> {
         None
+    }
+
+    /// Whether [`Drafter::fork`] gives drafters. The default makes one to find out; a
+    /// drafter whose forks cost something to make (a thread of their own) answers
+    /// without. A fork may still fail where this says yes (`fork` then says why).
+    fn forks(&self) -> bool {
+        self.fork().is_some()
     }
 }
 

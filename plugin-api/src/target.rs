@@ -76,6 +76,17 @@ pub trait TargetModel: Send {
     fn batches_rows(&self) -> bool {
         false
     }
+
+    /// Another handle on the same weights (MLX arrays are handles) with no state of its
+    /// own, which may run on another thread beside this one: how a draft model drafts for
+    /// several sequences at once, each on a thread of its own. An array made on one
+    /// thread can be evaluated on another only if it already was, so a share moves to
+    /// another thread only once a forward of this model was evaluated on the thread that
+    /// loaded it. `None`, the default, where the model cannot share: a plugin's model, a
+    /// rank's part of a tensor-parallel group, weights behind a LoRA adapter's switch.
+    fn share(&self) -> Option<Box<dyn TargetModel>> {
+        None
+    }
 }
 
 /// One sequence of a batched forward ([`TargetModel::forward_batch`]).

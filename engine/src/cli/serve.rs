@@ -58,8 +58,9 @@ pub struct ServeArgs {
     /// Requests decoded together, 1 to 256 (default: 32 on a GPU, 16 on the CPU): each step
     /// is one forward over all of them, and requests join and leave between steps. Each
     /// request drafts for itself (DFlash and DSpark from the step's states of its own
-    /// positions); how many drafts a step verifies follows the load. With a draft model
-    /// (`model:DIR`), a plugin's model family or a distributed group, requests are served
+    /// positions, a draft model (`model:DIR`) on a thread of its own over the same
+    /// weights); how many drafts a step verifies follows the load. With a plugin's model
+    /// family (as target or as draft model) or a distributed group, requests are served
     /// one at a time.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     max_batch: Option<u32>,

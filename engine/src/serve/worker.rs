@@ -52,12 +52,12 @@ pub struct Engine {
 impl Engine {
     /// Whether requests are decoded together ([`crate::serve::batching`]): more than one
     /// at a time asked for, a target whose forward takes several sequences at once, a
-    /// drafter each request can have its own copy of, and no group to keep in step.
+    /// drafter each request can have its own fork of, and no group to keep in step.
     pub fn batches(&self) -> bool {
         self.max_batch > 1
             && self.group.is_none()
             && self.loaded.model.batches_rows()
-            && self.drafter.fork().is_some()
+            && self.drafter.forks()
     }
 
     /// The parts a generation borrows: the model, the drafting settings, the prompt cache.
