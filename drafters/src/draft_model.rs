@@ -45,8 +45,11 @@ pub struct DraftModelDrafter {
     /// vocabulary differently) and distributions are padded to it.
     target_vocab: usize,
     /// Whether the thread works while the target does: then it also reads runs of
-    /// plain steps as they come ([`FEED_AT`]).
+    /// plain steps as they come ([`FEED_AT`]), and the prompt as the sequence begins.
     overlaps: bool,
+    /// A prompt the thread has not been given yet: it reads it at the first `propose`
+    /// that asks for drafts, where the thread does not overlap the target.
+    prompt: Option<Vec<u32>>,
     /// Settings a fork takes: whether to draft ahead, and what a generation may add.
     ahead: DraftAhead,
     max_new_tokens: Option<usize>,
@@ -91,6 +94,7 @@ impl DraftModelDrafter {
             sent_last: false,
             target_vocab,
             overlaps: ahead != DraftAhead::Off,
+            prompt: None,
             ahead,
             max_new_tokens,
         }
@@ -139,8 +143,16 @@ impl Drafter for DraftModelDrafter {
         self.unsent.clear();
         self.accounted = 0;
         self.sent_last = false;
-        // The draft model reads the prompt on its thread; the first `propose` waits.
-        self.thread.begin(prompt)
+        // The draft model reads the prompt on its thread; the first `propose` waits. A
+        // thread that works only when a round asks (not drafting ahead) reads it then
+        // too: in a server's batch a sequence may never be granted drafts, and on the
+        // CPU the thread's reading takes the cores the target decodes with.
+        if self.overlaps {
+            self.thread.begin(prompt)
+        } else {
+            self.prompt = Some(prompt.to_vec());
+            Ok(())
+        }
     }
 
     fn propose(
@@ -153,6 +165,9 @@ impl Drafter for DraftModelDrafter {
         let mut draft = Draft::default();
         if max_k == 0 {
             return Ok(draft);
+        }
+        if let Some(prompt) = self.prompt.take() {
+            self.thread.begin(&prompt)?;
         }
         let mut committed = std::mem::take(&mut self.unsent);
         committed.push(last);
