@@ -45,10 +45,16 @@ pub struct DraftModelDrafter {
     /// vocabulary differently) and distributions are padded to it.
     target_vocab: usize,
     /// Whether the thread works while the target does: then it also reads runs of
-    /// plain steps as they come ([`FEED_AT`]), and the prompt as the sequence begins.
+    /// plain steps as they come ([`FEED_AT`]).
     overlaps: bool,
-    /// A prompt the thread has not been given yet: it reads it at the first `propose`
-    /// that asks for drafts, where the thread does not overlap the target.
+    /// Whether the prompt waits for the first `propose` that asks for drafts, rather
+    /// than being read as the sequence begins: a fork that does not overlap the target.
+    /// A fork serves one of a batch's sequences, which the load may never grant drafts,
+    /// and a thread that does not overlap the target takes the cores it decodes with
+    /// (the CPU's default). A drafter alone is asked at once, and reads the prompt
+    /// while the target prefills it.
+    prompt_when_asked: bool,
+    /// The prompt not yet sent to the thread, while it waits.
     prompt: Option<Vec<u32>>,
     /// Settings a fork takes: whether to draft ahead, and what a generation may add.
     ahead: DraftAhead,
@@ -69,16 +75,12 @@ impl DraftModelDrafter {
         // Shared once evaluated: forks move shares of it to threads of their own.
         let weights = model.share();
         let thread = DraftThread::spawn_warm(model, target_vocab, ahead, max_new_tokens)?;
-        Ok(Self::on(
-            thread,
-            weights,
-            target_vocab,
-            ahead,
-            max_new_tokens,
-        ))
+        let mut drafter = Self::on(thread, weights, target_vocab, ahead, max_new_tokens);
+        drafter.prompt_when_asked = false;
+        Ok(drafter)
     }
 
-    /// A drafter for a fresh sequence on `thread`.
+    /// A fork for a fresh sequence on `thread`.
     fn on(
         thread: DraftThread,
         weights: Option<Box<dyn TargetModel>>,
@@ -94,6 +96,7 @@ impl DraftModelDrafter {
             sent_last: false,
             target_vocab,
             overlaps: ahead != DraftAhead::Off,
+            prompt_when_asked: ahead == DraftAhead::Off,
             prompt: None,
             ahead,
             max_new_tokens,
@@ -143,15 +146,12 @@ impl Drafter for DraftModelDrafter {
         self.unsent.clear();
         self.accounted = 0;
         self.sent_last = false;
-        // The draft model reads the prompt on its thread; the first `propose` waits. A
-        // thread that works only when a round asks (not drafting ahead) reads it then
-        // too: in a server's batch a sequence may never be granted drafts, and on the
-        // CPU the thread's reading takes the cores the target decodes with.
-        if self.overlaps {
-            self.thread.begin(prompt)
-        } else {
+        // The draft model reads the prompt on its thread; the first `propose` waits.
+        if self.prompt_when_asked {
             self.prompt = Some(prompt.to_vec());
             Ok(())
+        } else {
+            self.thread.begin(prompt)
         }
     }
 
@@ -366,6 +366,51 @@ mod tests {
                 a.commit(&verified, None).unwrap();
                 last[i] = (drafts[kept] + 1) % 97;
             }
+        }
+    }
+
+    /// A fork that does not draft ahead reads its prompt only once drafts are asked of
+    /// it, after plain steps: it drafts what a drafter alone, which read the prompt as
+    /// the sequence began, drafts after the same steps.
+    #[test]
+    fn a_fork_reading_its_prompt_when_asked_drafts_what_a_drafter_alone_does() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, 7, None).expect("fixture");
+        let load = || load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        let target = load();
+        let t = target.as_ref();
+        let original = DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn");
+        let mut fork = original.fork().expect("a fork");
+        let mut alone = DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn");
+        let prompt = [5, 61, 17, 40, 2];
+        fork.begin(t, &prompt, None).unwrap();
+        alone.begin(t, &prompt, None).unwrap();
+        // Plain steps first: rounds asked for no drafts, their tokens committed in pieces.
+        let mut last = 33;
+        for piece in [[33, 8, 71].as_slice(), &[90, 12]] {
+            assert!(fork
+                .propose(t, last, 0, &mut Greedy)
+                .unwrap()
+                .tokens
+                .is_empty());
+            assert!(alone
+                .propose(t, last, 0, &mut Greedy)
+                .unwrap()
+                .tokens
+                .is_empty());
+            fork.commit(piece, None).unwrap();
+            alone.commit(piece, None).unwrap();
+            last = (piece[piece.len() - 1] + 7) % 97;
+        }
+        for round in 0..3 {
+            let drafts = fork.propose(t, last, 4, &mut Greedy).unwrap().tokens;
+            let expected = alone.propose(t, last, 4, &mut Greedy).unwrap().tokens;
+            assert_eq!(drafts.len(), 4, "round {round}");
+            assert_eq!(drafts, expected, "round {round}");
+            let verified = [last, drafts[0]];
+            fork.commit(&verified, None).unwrap();
+            alone.commit(&verified, None).unwrap();
+            last = (drafts[1] + 1) % 97;
         }
     }
 
