@@ -157,9 +157,7 @@ fn alone_over(
     let view = step.view;
     let (n, heads, d) = (hi - lo, q.shape()[1], q.shape()[3]);
     let kv_heads = view.keys.shape()[1];
-    let longest = sees.iter().copied().max().unwrap_or(1);
-    let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
-    let used = used.min(view.keys.shape()[2]);
+    let used = keys_read(view, sees.iter().copied().max().unwrap_or(1));
     let dtype = q.dtype();
     // [n, width, kv_heads, group, 1, D]: one query a matrix, as MLX's one-query call
     // lays it out with the slot's positions in front.
@@ -177,17 +175,32 @@ fn alone_over(
     let scores = matmul(&queries, keys.swap_axes(-1, -2)?)?;
     let at = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, 1, 1, used])?;
     let sees = Array::from_slice(sees, &[n, width, 1, 1, 1, 1]);
-    let mut visible = at.lt(&sees)?;
-    if let Some(w) = step.sliding_window {
-        visible = visible.logical_and(&at.gt(sees.subtract(Array::from_int(w + 1))?)?)?;
-    }
+    let visible = visible(&at, &sees, step.sliding_window)?;
     let hidden = Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?;
     let scores = softmax_axis(&select(&visible, &scores, &hidden)?, -1, true)?;
     Ok(matmul(&scores, &values)?.reshape(&[n * width, heads, 1, d])?)
 }
 
+/// How many of each slot's positions a call reads for queries that see at most
+/// `longest` keys: rounded up so that shapes repeat from one step to the next.
+fn keys_read(view: &PoolView, longest: i32) -> i32 {
+    let rounded = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
+    rounded.min(view.keys.shape()[2])
+}
+
+/// Which of the `keys` (positions, broadcast against `sees`) a query that sees the keys
+/// before `sees` attends to: under a sliding `window`, only the window's last ones (a
+/// query at `sees − 1` sees keys less than `window` before it).
+fn visible(keys: &Array, sees: &Array, window: Option<i32>) -> Result<Array> {
+    let before = keys.lt(sees)?;
+    Ok(match window {
+        None => before,
+        Some(w) => before.logical_and(&keys.gt(sees.subtract(Array::from_int(w + 1))?)?)?,
+    })
+}
+
 /// `slots` (ascending) in runs that one call reads together: a gap of one slot is read
-/// along (about what a call's own graph costs), a wider one starts a new run.
+/// along rather than given a call of its own, a wider one starts a new run.
 fn slot_runs(slots: &[usize]) -> Vec<&[usize]> {
     let mut runs = Vec::new();
     let mut start = 0;
@@ -205,14 +218,9 @@ fn slot_runs(slots: &[usize]) -> Vec<&[usize]> {
 /// `longest`: the most any query sees.
 fn over_pool(queries: &Array, step: &PooledStep, sees: &Array, longest: i32) -> Result<Array> {
     let view = step.view;
-    let used = (longest + POOL_READ_STEP - 1) / POOL_READ_STEP * POOL_READ_STEP;
-    let used = used.min(view.keys.shape()[2]);
+    let used = keys_read(view, longest);
     let keys = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, used])?;
-    let mut visible = keys.lt(sees)?;
-    if let Some(w) = step.sliding_window {
-        // A query at `sees − 1` sees keys less than `w` before it.
-        visible = visible.logical_and(&keys.gt(sees.subtract(Array::from_int(w + 1))?)?)?;
-    }
+    let visible = visible(&keys, sees, step.sliding_window)?;
     Ok(scaled_dot_product_attention(
         queries,
         slice_axis(&view.keys, 2, 0, used)?,

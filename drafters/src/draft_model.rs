@@ -294,19 +294,32 @@ mod tests {
         }
     }
 
+    /// A random tiny model written from `seed` (kept on disk in the returned directory,
+    /// for drafters loaded from it) and loaded as the target.
+    fn tiny(seed: u64) -> (tempfile::TempDir, Box<dyn TargetModel>) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_random_model(dir.path(), TINY_LLAMA, seed, None).expect("fixture");
+        let target = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        (dir, target)
+    }
+
+    /// A drafter of the model in `dir`, loaded apart from every other.
+    fn drafter(dir: &tempfile::TempDir, ahead: DraftAhead) -> DraftModelDrafter {
+        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        DraftModelDrafter::new(model, 97, ahead, None).expect("spawn")
+    }
+
     /// Rounds without drafts reach the drafter as a propose of none and one commit of
     /// every plain step's position: its first position must reach the model too, so the
     /// drafts after it are those of a drafter that saw the whole sequence from the start.
     #[test]
     fn a_commit_after_a_propose_of_no_drafts_keeps_its_first_position() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
-        let load = || load_dir(dir.path(), &LoadOptions::default()).expect("load");
-        let target = load();
+        let (dir, target) = tiny(4);
         let t = target.as_ref();
-        let drafter = || DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn");
-
-        let (mut batched, mut fresh) = (drafter(), drafter());
+        let (mut batched, mut fresh) = (
+            drafter(&dir, DraftAhead::Off),
+            drafter(&dir, DraftAhead::Off),
+        );
         batched.begin(t, &[3, 14, 15], None).unwrap();
         assert!(batched
             .propose(t, 92, 0, &mut Greedy)
@@ -334,19 +347,15 @@ mod tests {
     /// between (drafting ahead, as forks of a drafter that drafts ahead do).
     #[test]
     fn forks_draft_what_fresh_drafters_do_each_for_its_own_sequence() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 6, None).expect("fixture");
-        let load = || load_dir(dir.path(), &LoadOptions::default()).expect("load");
-        let target = load();
+        let (dir, target) = tiny(6);
         let t = target.as_ref();
-        let original = DraftModelDrafter::new(load(), 97, DraftAhead::On, None).expect("spawn");
+        let original = drafter(&dir, DraftAhead::On);
         assert!(original.forks());
         let forks = [original.fork(), original.fork()].map(|f| f.expect("a fork"));
         let mut drafters: Vec<Box<dyn Drafter>> = vec![Box::new(original)];
         drafters.extend(forks);
-        let mut alone: Vec<DraftModelDrafter> = (0..3)
-            .map(|_| DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn"))
-            .collect();
+        let mut alone: Vec<DraftModelDrafter> =
+            (0..3).map(|_| drafter(&dir, DraftAhead::Off)).collect();
         let prompts: [&[u32]; 3] = [&[3, 14, 15], &[92, 65, 35, 89], &[79]];
         for ((d, a), prompt) in drafters.iter_mut().zip(&mut alone).zip(prompts) {
             d.begin(t, prompt, None).unwrap();
@@ -374,20 +383,17 @@ mod tests {
     /// the sequence began, drafts after the same steps.
     #[test]
     fn a_fork_reading_its_prompt_when_asked_drafts_what_a_drafter_alone_does() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 7, None).expect("fixture");
-        let load = || load_dir(dir.path(), &LoadOptions::default()).expect("load");
-        let target = load();
+        let (dir, target) = tiny(7);
         let t = target.as_ref();
-        let original = DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn");
-        let mut fork = original.fork().expect("a fork");
-        let mut alone = DraftModelDrafter::new(load(), 97, DraftAhead::Off, None).expect("spawn");
+        let mut fork = drafter(&dir, DraftAhead::Off).fork().expect("a fork");
+        let mut alone = drafter(&dir, DraftAhead::Off);
         let prompt = [5, 61, 17, 40, 2];
         fork.begin(t, &prompt, None).unwrap();
         alone.begin(t, &prompt, None).unwrap();
-        // Plain steps first: rounds asked for no drafts, their tokens committed in pieces.
+        // Plain steps first: rounds asked for no drafts, their tokens committed in pieces,
+        // each opening with the `last` its propose was given.
         let mut last = 33;
-        for piece in [[33, 8, 71].as_slice(), &[90, 12]] {
+        for piece in [[33, 8, 71].as_slice(), &[78, 12]] {
             assert!(fork
                 .propose(t, last, 0, &mut Greedy)
                 .unwrap()
@@ -447,9 +453,7 @@ mod tests {
     /// so when asked.
     #[test]
     fn a_model_that_does_not_share_gives_no_forks() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        write_random_model(dir.path(), TINY_LLAMA, 4, None).expect("fixture");
-        let model = load_dir(dir.path(), &LoadOptions::default()).expect("load");
+        let (_dir, model) = tiny(4);
         let drafter = DraftModelDrafter::new(Box::new(Unshared(model)), 97, DraftAhead::Off, None)
             .expect("spawn");
         assert!(!drafter.forks());

@@ -558,28 +558,7 @@ fn a_draft_model_forked_per_sequence_keeps_each_sequence_exact() {
 fn sampled_drafts_of_forked_draft_models_are_weighed_by_their_distribution() {
     let (dir, loaded) = tiny_target("{}", 3);
     let server = common::load_draft_model(&loaded, dir.path(), &DrafterOptions::default());
-    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 3)
-        .with_draft_budget(DraftBudget::Everything);
-    for i in 0..6u64 {
-        batch
-            .add(NewSequence {
-                prompt: prompts()[i as usize].clone(),
-                config: config(10, params(i * 31 + 7)),
-                drafter: server.fork(),
-                logprobs: None,
-                reused: None,
-            })
-            .expect("joins");
-    }
-    let (mut drafted, mut kept) = (0, 0);
-    while !batch.is_empty() {
-        for p in batch.step().expect("a step") {
-            if let Some(done) = p.finished {
-                drafted += done.speculative.drafted_tokens;
-                kept += done.speculative.accepted_tokens;
-            }
-        }
-    }
+    let (drafted, kept) = sampled_drafts_kept(&loaded, 6, &|_| server.fork());
     assert!(drafted > 0, "nothing was drafted");
     assert_eq!(
         kept, drafted,
@@ -618,6 +597,38 @@ fn drafters_reading_other_layers_are_refused() {
     let err = join(&mut batch, recorder(vec![1])).expect_err("refused");
     assert!(err.to_string().contains("same drafter"), "{err}");
     assert_eq!(batch.len(), 3);
+}
+
+/// `count` sampled sequences (each its own seed, the prompts in turn) decoded together
+/// with every draft verified, each with `drafter(i)`: the drafts proposed and kept.
+fn sampled_drafts_kept(
+    loaded: &LoadedModel,
+    count: u64,
+    drafter: &dyn Fn(u64) -> Option<Box<dyn Drafter>>,
+) -> (usize, usize) {
+    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 3)
+        .with_draft_budget(DraftBudget::Everything);
+    for i in 0..count {
+        batch
+            .add(NewSequence {
+                prompt: prompts()[(i % 6) as usize].clone(),
+                config: config(10, params(i * 31 + 7)),
+                drafter: drafter(i),
+                logprobs: None,
+                reused: None,
+            })
+            .expect("joins");
+    }
+    let (mut drafted, mut kept) = (0, 0);
+    while !batch.is_empty() {
+        for p in batch.step().expect("a step") {
+            if let Some(done) = p.finished {
+                drafted += done.speculative.drafted_tokens;
+                kept += done.speculative.accepted_tokens;
+            }
+        }
+    }
+    (drafted, kept)
 }
 
 /// Drafts by sampling from the target itself, with the request's own sampler: its
@@ -676,30 +687,12 @@ impl Drafter for SampledTwin {
 #[test]
 fn sampled_drafts_are_weighed_by_the_distribution_they_came_from() {
     let (_dir, loaded) = tiny_target("{}", 3);
-    let mut batch = BatchDecoder::new(loaded.model.as_ref(), &loaded.tokenizer, 3)
-        .with_draft_budget(DraftBudget::Everything);
-    for i in 0..8u64 {
-        batch
-            .add(NewSequence {
-                prompt: prompts()[(i % 6) as usize].clone(),
-                config: config(10, params(i * 31 + 7)),
-                drafter: Some(Box::new(SampledTwin {
-                    sequence: Vec::new(),
-                })),
-                logprobs: None,
-                reused: None,
-            })
-            .expect("joins");
-    }
-    let (mut drafted, mut kept) = (0, 0);
-    while !batch.is_empty() {
-        for p in batch.step().expect("a step") {
-            if let Some(done) = p.finished {
-                drafted += done.speculative.drafted_tokens;
-                kept += done.speculative.accepted_tokens;
-            }
-        }
-    }
+    let twin = |_| -> Option<Box<dyn Drafter>> {
+        Some(Box::new(SampledTwin {
+            sequence: Vec::new(),
+        }))
+    };
+    let (drafted, kept) = sampled_drafts_kept(&loaded, 8, &twin);
     assert!(drafted > 0, "nothing was drafted");
     assert_eq!(
         kept, drafted,
