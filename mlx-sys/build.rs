@@ -6,8 +6,9 @@
 //! 2. BLAS (Linux, wheel only): OpenBLAS substituted for the wheel's reference BLAS
 //!    when Debian's `libopenblas0-pthread` is present (`MLX_SYS_BLAS=wheel|openblas`).
 //! 3. mlx-c sources: from the upstream `mlx-sys` 0.7.0 crate, fetched by cargo itself.
-//! 4. Compile mlx-c with the `cc` crate plus three portability fixes (see `shim/`);
-//!    not for a `cargo clippy` run, which never links (see `lint_only`).
+//! 4. Compile mlx-c with the `cc` crate plus three portability fixes (see `shim/`),
+//!    and dspec's own MLX primitives (`kernels/`); not for a `cargo clippy` run, which
+//!    never links (see `lint_only`).
 //! 5. Bindings with bindgen; `cargo:libdir` tells dependents where libmlx lives so
 //!    their executables get a RUNPATH (see `build/runpath.rs` at the workspace root).
 
@@ -52,13 +53,15 @@ fn run() -> Result<(), BuildError> {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=shim");
+    println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-changed=build.rs");
 
     let target_os = env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     let target_arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
     let out_dir =
         PathBuf::from(env::var("OUT_DIR").map_err(|_| BuildError("OUT_DIR unset".into()))?);
-    let shim = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap_or_default()).join("shim");
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap_or_default());
+    let shim = manifest_dir.join("shim");
 
     let mlx = locate_mlx(&target_os)?;
     check_mlx_version(&mlx.include_dir)?;
@@ -69,6 +72,13 @@ fn run() -> Result<(), BuildError> {
     let needs_half_shim = target_arch != "aarch64";
     if !lint_only() {
         compile_mlx_c(&mlx_c, &mlx.include_dir, &shim, needs_half_shim)?;
+        compile_kernels(
+            &manifest_dir.join("kernels"),
+            &mlx_c,
+            &mlx.include_dir,
+            &shim,
+            needs_half_shim,
+        )?;
     }
     generate_bindings(&mlx_c, &shim, needs_half_shim, &out_dir)?;
 
@@ -414,12 +424,14 @@ fn locate_mlx_c_sources(out_dir: &Path) -> Result<PathBuf, BuildError> {
     Ok(src)
 }
 
-fn compile_mlx_c(
+/// A C++ build against MLX's and mlx-c's headers, with the portability prelude: what
+/// mlx-c and dspec's own kernels share.
+fn cxx_build(
     mlx_c: &Path,
     mlx_include: &Path,
     shim: &Path,
     half_shim: bool,
-) -> Result<(), BuildError> {
+) -> Result<cc::Build, BuildError> {
     let mut build = cc::Build::new();
     build
         .cpp(true)
@@ -428,8 +440,6 @@ fn compile_mlx_c(
         .include(mlx_include)
         .include(shim)
         .warnings(false);
-    // mlx-c is thin glue; keep it optimised even in debug builds, it costs little.
-    build.opt_level(2).debug(false);
     let compiler = build.try_get_compiler().map_err(|e| {
         BuildError(format!(
             "no C++ compiler found ({e}).\nInstall one (Debian: apt-get install g++), or set CXX."
@@ -453,6 +463,18 @@ fn compile_mlx_c(
         "format_compat.h"
     };
     build.flag("-include").flag(prelude);
+    Ok(build)
+}
+
+fn compile_mlx_c(
+    mlx_c: &Path,
+    mlx_include: &Path,
+    shim: &Path,
+    half_shim: bool,
+) -> Result<(), BuildError> {
+    let mut build = cxx_build(mlx_c, mlx_include, shim, half_shim)?;
+    // mlx-c is thin glue; keep it optimised even in debug builds, it costs little.
+    build.opt_level(2).debug(false);
     let mut sources: Vec<PathBuf> = fs::read_dir(mlx_c.join("mlx/c"))
         .map_err(|e| {
             BuildError(format!(
@@ -476,6 +498,30 @@ fn compile_mlx_c(
     build.try_compile("mlxc").map_err(|e| {
         BuildError(format!(
             "compiling mlx-c failed: {e}\nA C++20 compiler is needed (Debian 12: g++ 12)."
+        ))
+    })
+}
+
+/// dspec's own MLX primitives (`kernels/`): optimised in every profile, and with no
+/// contraction into fused multiply-adds, so that their vector loops and scalar tails
+/// round alike (see the file's head).
+fn compile_kernels(
+    kernels: &Path,
+    mlx_c: &Path,
+    mlx_include: &Path,
+    shim: &Path,
+    half_shim: bool,
+) -> Result<(), BuildError> {
+    let mut build = cxx_build(mlx_c, mlx_include, shim, half_shim)?;
+    build
+        .opt_level(3)
+        .debug(false)
+        .flag("-ffp-contract=off")
+        .file(kernels.join("cpu_exp_ops.cpp"));
+    build.try_compile("dspec_kernels").map_err(|e| {
+        BuildError(format!(
+            "compiling {} failed: {e}\nA C++20 compiler is needed (Debian 12: g++ 12).",
+            kernels.join("cpu_exp_ops.cpp").display()
         ))
     })
 }

@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select, softmax_axis};
+use mlx_rs::ops::{arange, broadcast_to, concatenate, matmul, select};
 use mlx_rs::{Array, Dtype};
 
 use dspec_plugin_api::error::{ModelError, Result};
@@ -903,6 +903,9 @@ impl Attention {
     fn attend(&self, q: &Array, keys: &Array, values: &Array, mask: &Mask) -> Result<Array> {
         let s = &self.spec;
         match s.softcap {
+            None if crate::cpu_attention::serves(q, keys, values) => {
+                crate::cpu_attention::attend(q, keys, values, s.scale, mask.for_sdpa())
+            }
             None => {
                 let broadcast = match mask {
                     Mask::WholeBuffer(bias) => Some(bias.for_heads(s.heads)?),
@@ -958,7 +961,7 @@ impl Attention {
             let hidden = Array::from_f32(f32::NEG_INFINITY).as_dtype(scores.dtype())?;
             scores = select(&keys, &scores, &hidden)?;
         }
-        let probs = softmax_axis(&scores, -1, true)?;
+        let probs = dspec_runtime::cpu_kernels::softmax_last_axis(&scores)?;
         Ok(matmul(&probs, &v)?.reshape(&[b, s.heads, len, s.head_dim])?)
     }
 }

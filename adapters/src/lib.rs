@@ -17,6 +17,7 @@ pub mod attention;
 pub mod batch;
 pub mod config;
 pub mod continuation;
+pub mod cpu_attention;
 pub mod cuda;
 #[cfg(any(test, feature = "test-fixtures"))]
 pub mod fixtures;

@@ -13,14 +13,16 @@
 //! [`KvCache::append_each`]: dspec_plugin_api::KvCache::append_each
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::ops::{arange, concatenate, matmul, select, softmax_axis};
+use mlx_rs::ops::{arange, concatenate, matmul, select};
 use mlx_rs::Array;
 
 use dspec_plugin_api::error::Result;
 use dspec_plugin_api::PoolView;
+use dspec_runtime::cpu_kernels::softmax_last_axis;
 use dspec_runtime::slicing::slice_axis;
 
 use crate::attention::lowest_value;
+use crate::cpu_attention;
 
 /// Attention over a pool reads positions in multiples of this many, up to the longest
 /// a query sees: shapes then repeat from one step to the next for a while.
@@ -177,7 +179,7 @@ fn alone_over(
     let sees = Array::from_slice(sees, &[n, width, 1, 1, 1, 1]);
     let visible = visible(&at, &sees, step.sliding_window)?;
     let hidden = Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?;
-    let scores = softmax_axis(&select(&visible, &scores, &hidden)?, -1, true)?;
+    let scores = softmax_last_axis(&select(&visible, &scores, &hidden)?)?;
     Ok(matmul(&scores, &values)?.reshape(&[n * width, heads, 1, d])?)
 }
 
@@ -221,13 +223,16 @@ fn over_pool(queries: &Array, step: &PooledStep, sees: &Array, longest: i32) -> 
     let used = keys_read(view, longest);
     let keys = arange::<_, i32>(0, used, None)?.reshape(&[1, 1, 1, used])?;
     let visible = visible(&keys, sees, step.sliding_window)?;
-    Ok(scaled_dot_product_attention(
-        queries,
+    let (keys, values) = (
         slice_axis(&view.keys, 2, 0, used)?,
         slice_axis(&view.values, 2, 0, used)?,
-        step.scale,
-        Some(ScaledDotProductAttentionMask::Array(&visible)),
-        None,
+    );
+    let mask = Some(ScaledDotProductAttentionMask::Array(&visible));
+    if cpu_attention::serves(queries, &keys, &values) {
+        return cpu_attention::attend(queries, &keys, &values, step.scale, mask);
+    }
+    Ok(scaled_dot_product_attention(
+        queries, keys, values, step.scale, mask, None,
     )?)
 }
 

@@ -42,3 +42,31 @@ pub const LINKED_LIBMLX_DIR: &str = env!("MLX_SYS_LIBDIR");
 /// Which BLAS the linked libmlx uses on the CPU: `openblas`, `reference (wheel)`,
 /// or `as-installed` for an `MLX_DIR` install.
 pub const LINKED_BLAS: &str = env!("MLX_SYS_BLAS");
+
+/// dspec's own MLX primitives (`kernels/cpu_exp_ops.cpp`), f32 on the CPU backend only.
+/// Each returns 0 with `res` set, or 1 with the reason in `error` (NUL-terminated, at
+/// most `error_len` bytes).
+pub mod dspec_kernels {
+    use super::{mlx_array, mlx_stream};
+    use std::os::raw::c_char;
+
+    extern "C" {
+        /// Softmax over the last axis.
+        pub fn dspec_softmax_f32(
+            res: *mut mlx_array,
+            x: mlx_array,
+            stream: mlx_stream,
+            error: *mut c_char,
+            error_len: usize,
+        ) -> i32;
+        /// `silu(gate) * up`, elementwise; both of one shape.
+        pub fn dspec_silu_product_f32(
+            res: *mut mlx_array,
+            gate: mlx_array,
+            up: mlx_array,
+            stream: mlx_stream,
+            error: *mut c_char,
+            error_len: usize,
+        ) -> i32;
+    }
+}

@@ -1,5 +1,6 @@
 //! How dspec runs on MLX, below the plugin contract: which backend this process computes
-//! on (and, on the CPU, which BLAS kernels), slicing that builds one graph node, for the
+//! on (and, on the CPU, which BLAS kernels, and the softmax and SiLU kernels dspec gives
+//! MLX), slicing that builds one graph node, for the
 //! hot path of decoding, MLX's distributed groups and collectives, and where dspec keeps
 //! files of its own.
 //!
@@ -8,6 +9,7 @@
 
 pub mod backend;
 pub mod blas;
+pub mod cpu_kernels;
 pub mod distributed;
 pub mod files;
 pub mod host_transpose;

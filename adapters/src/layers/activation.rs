@@ -30,7 +30,9 @@ impl Activation {
         }
     }
 
-    /// `act(gate) · up` as one compiled (fused) kernel. The compiled function is built
+    /// `act(gate) · up` as one kernel: SiLU's in f32 on the CPU is dspec's own
+    /// (`dspec_runtime::cpu_kernels`, whose exponential is vectorized), the rest one
+    /// compiled (fused) MLX function. The compiled function is built
     /// once per thread and kept: mlx-rs gives every `compile` call a new function id,
     /// so compiling per call would trace and fuse the graph again on every layer of every
     /// step: host work on the path of every token.
@@ -49,6 +51,11 @@ impl Activation {
         thread_local! {
             static SILU: RefCell<Gated> = RefCell::new(Box::new(compile(silu, true)));
             static GELU: RefCell<Gated> = RefCell::new(Box::new(compile(gelu, true)));
+        }
+        if self == Activation::Silu {
+            if let Some(product) = dspec_runtime::cpu_kernels::silu_product(gate, up)? {
+                return Ok(product);
+            }
         }
         let compiled = match self {
             Activation::Silu => &SILU,
