@@ -7,8 +7,8 @@
 //!    when Debian's `libopenblas0-pthread` is present (`MLX_SYS_BLAS=wheel|openblas`).
 //! 3. mlx-c sources: from the upstream `mlx-sys` 0.7.0 crate, fetched by cargo itself.
 //! 4. Compile mlx-c with the `cc` crate plus three portability fixes (see `shim/`),
-//!    and dspec's own MLX primitives (`kernels/`); not for a `cargo clippy` run, which
-//!    never links (see `lint_only`).
+//!    and, off Apple's platforms, dspec's own MLX primitives (`kernels/`); not for a
+//!    `cargo clippy` run, which never links (see `lint_only`).
 //! 5. Bindings with bindgen; `cargo:libdir` tells dependents where libmlx lives so
 //!    their executables get a RUNPATH (see `build/runpath.rs` at the workspace root).
 
@@ -72,13 +72,16 @@ fn run() -> Result<(), BuildError> {
     let needs_half_shim = target_arch != "aarch64";
     if !lint_only() {
         compile_mlx_c(&mlx_c, &mlx.include_dir, &shim, needs_half_shim)?;
-        compile_kernels(
-            &manifest_dir.join("kernels"),
-            &mlx_c,
-            &mlx.include_dir,
-            &shim,
-            needs_half_shim,
-        )?;
+        // Apple's MLX build vectorizes its own CPU kernels.
+        if env::var("CARGO_CFG_TARGET_VENDOR").unwrap_or_default() != "apple" {
+            compile_kernels(
+                &manifest_dir.join("kernels"),
+                &mlx_c,
+                &mlx.include_dir,
+                &shim,
+                needs_half_shim,
+            )?;
+        }
     }
     generate_bindings(&mlx_c, &shim, needs_half_shim, &out_dir)?;
 

@@ -2,11 +2,11 @@
 // exponential the compiler vectorizes.
 //
 // MLX's CPU kernels compute exp one element at a time where they are built without
-// vector types for the CPU (its x86 wheels), and each element's polynomial calls libm's
-// fma and floor: about 17 ns an element on the development machine, which made the
-// softmax of attention and the SiLU of the MLP cost more than the products around them
-// (docs/benchmarks.md, "Where a CPU step's time goes"). These two kernels are MLX
-// primitives of their own, so they sit in the same lazy graphs as every other op.
+// vector types for the CPU (its x86 wheels), and each element's polynomial then calls
+// libm for its fused multiply-adds and its floor, which made the softmax of attention
+// and the SiLU of the MLP cost more than the products around them (docs/benchmarks.md,
+// "Where a CPU step's time goes"). These two kernels are MLX primitives of their own, so
+// they sit in the same lazy graphs as every other op, gradients included.
 //
 // Results depend on a row's values alone: no fused multiply-adds (the file is built
 // with -ffp-contract=off, so a vector loop and its scalar tail round alike), and each

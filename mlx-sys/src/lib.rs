@@ -43,9 +43,10 @@ pub const LINKED_LIBMLX_DIR: &str = env!("MLX_SYS_LIBDIR");
 /// or `as-installed` for an `MLX_DIR` install.
 pub const LINKED_BLAS: &str = env!("MLX_SYS_BLAS");
 
-/// dspec's own MLX primitives (`kernels/cpu_exp_ops.cpp`), f32 on the CPU backend only.
-/// Each returns 0 with `res` set, or 1 with the reason in `error` (NUL-terminated, at
-/// most `error_len` bytes).
+/// dspec's own MLX primitives (`kernels/cpu_exp_ops.cpp`), f32 on the CPU backend only,
+/// built off Apple's platforms. Each returns 0 with `res` set, or 1 with the reason in
+/// `error` (NUL-terminated, at most `error_len` bytes).
+#[cfg(not(target_vendor = "apple"))]
 pub mod dspec_kernels {
     use super::{mlx_array, mlx_stream};
     use std::os::raw::c_char;

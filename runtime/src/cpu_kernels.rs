@@ -16,7 +16,8 @@ use mlx_rs::{Array, Dtype, Stream};
 use crate::Backend;
 
 /// Whether dspec's kernels compute with these arrays here: f32 on the CPU backend, off
-/// Apple's build.
+/// Apple's platforms (whose MLX build vectorizes its own, and where mlx-sys does not
+/// build these).
 pub fn apply_to(arrays: &[&Array]) -> bool {
     !cfg!(target_vendor = "apple")
         && Backend::current() == Backend::Cpu
@@ -24,6 +25,7 @@ pub fn apply_to(arrays: &[&Array]) -> bool {
 }
 
 /// Runs one of the kernels' constructors, which report failure as text.
+#[cfg(not(target_vendor = "apple"))]
 fn call(
     op: impl FnOnce(*mut mlx_sys::mlx_array, mlx_sys::mlx_stream, *mut c_char, usize) -> i32,
 ) -> Result<Array, Exception> {
@@ -45,13 +47,16 @@ fn call(
 /// Softmax over the last axis (f32 in f32; other dtypes accumulate in f32, as MLX's
 /// precise softmax does).
 pub fn softmax_last_axis(x: &Array) -> Result<Array, Exception> {
-    if !apply_to(&[x]) {
-        return softmax_axis(x, -1, true);
+    #[cfg(not(target_vendor = "apple"))]
+    if apply_to(&[x]) {
+        return call(|res, stream, error, len| {
+            // SAFETY: `x` outlives the call; the kernel only reads it.
+            unsafe {
+                mlx_sys::dspec_kernels::dspec_softmax_f32(res, x.as_ptr(), stream, error, len)
+            }
+        });
     }
-    call(|res, stream, error, len| {
-        // SAFETY: `x` outlives the call; the kernel only reads it.
-        unsafe { mlx_sys::dspec_kernels::dspec_softmax_f32(res, x.as_ptr(), stream, error, len) }
-    })
+    softmax_axis(x, -1, true)
 }
 
 /// `silu(gate) · up` elementwise, where dspec's kernel computes it (f32 arrays of one
@@ -60,6 +65,9 @@ pub fn silu_product(gate: &Array, up: &Array) -> Result<Option<Array>, Exception
     if !apply_to(&[gate, up]) || gate.shape() != up.shape() {
         return Ok(None);
     }
+    #[cfg(target_vendor = "apple")]
+    return Ok(None);
+    #[cfg(not(target_vendor = "apple"))]
     call(|res, stream, error, len| {
         // SAFETY: both arrays outlive the call; the kernel only reads them.
         unsafe {
@@ -122,7 +130,11 @@ mod tests {
         }
         let masked = Array::from_slice(&[0.5f32, f32::MIN, 1.5, f32::NEG_INFINITY], &[1, 4]);
         let got = values(&softmax_last_axis(&masked).unwrap());
-        assert_eq!((got[1], got[3]), (0.0, 0.0), "masked keys weigh exactly nothing");
+        assert_eq!(
+            (got[1], got[3]),
+            (0.0, 0.0),
+            "masked keys weigh exactly nothing"
+        );
         assert!((got[0] + got[2] - 1.0).abs() < 1e-6, "{got:?}");
     }
 
@@ -149,7 +161,11 @@ mod tests {
     fn silu_product_matches_mlx() {
         let gate = normal(&[4, 300], 12.0, 3);
         let up = normal(&[4, 300], 2.0, 4);
-        let want = gate.multiply(sigmoid(&gate).unwrap()).unwrap().multiply(&up).unwrap();
+        let want = gate
+            .multiply(sigmoid(&gate).unwrap())
+            .unwrap()
+            .multiply(&up)
+            .unwrap();
         let Some(got) = silu_product(&gate, &up).unwrap() else {
             panic!("the CPU backend computes f32 SiLU products with dspec's kernel");
         };
@@ -161,7 +177,10 @@ mod tests {
         }
         let strided = silu_product(&gate.t(), &up.t()).unwrap().unwrap();
         let (a, b) = (values(&strided), values(&want.t()));
-        assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 2e-6 * y.abs() + 1e-30));
+        assert!(a
+            .iter()
+            .zip(&b)
+            .all(|(x, y)| (x - y).abs() <= 2e-6 * y.abs() + 1e-30));
     }
 
     /// The gradients training takes through both kernels: those of MLX's own ops.
@@ -178,16 +197,31 @@ mod tests {
         };
         let (a, b) = (grad(ours)(&x).unwrap(), grad(theirs)(&x).unwrap());
         let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap();
-        assert!(diff.item::<f32>() < 1e-6, "softmax: {diff:?}");
+        assert!(diff.item_exact::<f32>() < 1e-6, "softmax: {diff:?}");
 
         let up = normal(&[2, 9], 1.0, 7);
         let ours = |g: &Array| -> Result<Array, Exception> {
             silu_product(g, &up)?.expect("on the CPU").sum(None)
         };
-        let theirs =
-            |g: &Array| -> Result<Array, Exception> { g.multiply(sigmoid(g)?)?.multiply(&up)?.sum(None) };
+        let theirs = |g: &Array| -> Result<Array, Exception> {
+            g.multiply(sigmoid(g)?)?.multiply(&up)?.sum(None)
+        };
         let (a, b) = (grad(ours)(&x).unwrap(), grad(theirs)(&x).unwrap());
         let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap();
-        assert!(diff.item::<f32>() < 1e-5, "silu: {diff:?}");
+        assert!(
+            diff.item_exact::<f32>() < 1e-5,
+            "silu, by the gate: {diff:?}"
+        );
+
+        let gate = normal(&[2, 9], 3.0, 8);
+        let ours = |u: &Array| -> Result<Array, Exception> {
+            silu_product(&gate, u)?.expect("on the CPU").sum(None)
+        };
+        let theirs = |u: &Array| -> Result<Array, Exception> {
+            gate.multiply(sigmoid(&gate)?)?.multiply(u)?.sum(None)
+        };
+        let (a, b) = (grad(ours)(&up).unwrap(), grad(theirs)(&up).unwrap());
+        let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap();
+        assert!(diff.item_exact::<f32>() < 1e-5, "silu, by up: {diff:?}");
     }
 }
