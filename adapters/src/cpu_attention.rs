@@ -124,21 +124,32 @@ mod tests {
         }
     }
 
-    /// A query alone and the same query among later ones (causal) give the same bits:
-    /// what keeps a verify's positions equal to one-token decoding.
+    /// A query over its keys and the same query over a longer buffer whose extra keys
+    /// are masked give the same bits: what lets a step read keys up to a rounded length
+    /// and still compute each query as over its own keys.
     #[test]
-    fn a_query_rounds_alone_as_among_later_ones() {
-        let (heads, kv_heads, total, dim) = (4, 2, 40, 8);
+    fn masked_keys_past_a_query_change_nothing() {
+        let (heads, kv_heads, total, seen, dim) = (4, 2, 40, 27, 8);
         let k = normal(&[1, kv_heads, total, dim], 6);
         let v = normal(&[1, kv_heads, total, dim], 7);
-        let q = normal(&[1, heads, 3, dim], 8);
-        let together =
-            attend(&q, &k, &v, 0.3, Some(ScaledDotProductAttentionMask::Causal)).unwrap();
-        let first = dspec_runtime::slicing::slice_axis(&q, 2, 0, 1).unwrap();
-        let keys = dspec_runtime::slicing::slice_axis(&k, 2, 0, total - 2).unwrap();
-        let values = dspec_runtime::slicing::slice_axis(&v, 2, 0, total - 2).unwrap();
-        let alone = attend(&first, &keys, &values, 0.3, None).unwrap();
-        let together_first = dspec_runtime::slicing::slice_axis(&together, 2, 0, 1).unwrap();
-        assert_eq!(max_abs_diff(&alone, &together_first), 0.0);
+        let q = normal(&[1, heads, 1, dim], 8);
+        let visible = mlx_rs::ops::arange::<_, i32>(0, total, None)
+            .unwrap()
+            .lt(Array::from_int(seen))
+            .unwrap()
+            .reshape(&[1, total])
+            .unwrap();
+        let padded = attend(
+            &q,
+            &k,
+            &v,
+            0.3,
+            Some(ScaledDotProductAttentionMask::Array(&visible)),
+        )
+        .unwrap();
+        let keys = dspec_runtime::slicing::slice_axis(&k, 2, 0, seen).unwrap();
+        let values = dspec_runtime::slicing::slice_axis(&v, 2, 0, seen).unwrap();
+        let own = attend(&q, &keys, &values, 0.3, None).unwrap();
+        assert_eq!(max_abs_diff(&own, &padded), 0.0);
     }
 }
