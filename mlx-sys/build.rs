@@ -71,16 +71,11 @@ fn run() -> Result<(), BuildError> {
     // mlx-c declares its half types only on ARM; elsewhere we provide MLX's own.
     let needs_half_shim = target_arch != "aarch64";
     if !lint_only() {
-        compile_mlx_c(&mlx_c, &mlx.include_dir, &shim, needs_half_shim)?;
+        let build = cxx_build(&mlx_c, &mlx.include_dir, &shim, needs_half_shim)?;
+        compile_mlx_c(build.clone(), &mlx_c)?;
         // Apple's MLX build vectorizes its own CPU kernels.
         if env::var("CARGO_CFG_TARGET_VENDOR").unwrap_or_default() != "apple" {
-            compile_kernels(
-                &manifest_dir.join("kernels"),
-                &mlx_c,
-                &mlx.include_dir,
-                &shim,
-                needs_half_shim,
-            )?;
+            compile_kernels(build, &manifest_dir.join("kernels"))?;
         }
     }
     generate_bindings(&mlx_c, &shim, needs_half_shim, &out_dir)?;
@@ -469,13 +464,7 @@ fn cxx_build(
     Ok(build)
 }
 
-fn compile_mlx_c(
-    mlx_c: &Path,
-    mlx_include: &Path,
-    shim: &Path,
-    half_shim: bool,
-) -> Result<(), BuildError> {
-    let mut build = cxx_build(mlx_c, mlx_include, shim, half_shim)?;
+fn compile_mlx_c(mut build: cc::Build, mlx_c: &Path) -> Result<(), BuildError> {
     // mlx-c is thin glue; keep it optimised even in debug builds, it costs little.
     build.opt_level(2).debug(false);
     let mut sources: Vec<PathBuf> = fs::read_dir(mlx_c.join("mlx/c"))
@@ -498,33 +487,27 @@ fn compile_mlx_c(
         ));
     }
     build.files(&sources);
-    build.try_compile("mlxc").map_err(|e| {
-        BuildError(format!(
-            "compiling mlx-c failed: {e}\nA C++20 compiler is needed (Debian 12: g++ 12)."
-        ))
-    })
+    compile(build, "mlxc", "mlx-c")
 }
 
 /// dspec's own MLX primitives (`kernels/`): optimised in every profile, and with no
 /// contraction into fused multiply-adds, so that their vector loops and scalar tails
 /// round alike (see the file's head).
-fn compile_kernels(
-    kernels: &Path,
-    mlx_c: &Path,
-    mlx_include: &Path,
-    shim: &Path,
-    half_shim: bool,
-) -> Result<(), BuildError> {
-    let mut build = cxx_build(mlx_c, mlx_include, shim, half_shim)?;
+fn compile_kernels(mut build: cc::Build, kernels: &Path) -> Result<(), BuildError> {
+    let source = kernels.join("cpu_exp_ops.cpp");
     build
         .opt_level(3)
         .debug(false)
         .flag("-ffp-contract=off")
-        .file(kernels.join("cpu_exp_ops.cpp"));
-    build.try_compile("dspec_kernels").map_err(|e| {
+        .file(&source);
+    compile(build, "dspec_kernels", &source.display().to_string())
+}
+
+/// Compiles `build` into the static library `lib`; `what` names it in the error.
+fn compile(build: cc::Build, lib: &str, what: &str) -> Result<(), BuildError> {
+    build.try_compile(lib).map_err(|e| {
         BuildError(format!(
-            "compiling {} failed: {e}\nA C++20 compiler is needed (Debian 12: g++ 12).",
-            kernels.join("cpu_exp_ops.cpp").display()
+            "compiling {what} failed: {e}\nA C++20 compiler is needed (Debian 12: g++ 12)."
         ))
     })
 }

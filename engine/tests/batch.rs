@@ -478,25 +478,40 @@ fn block_drafters_forked_per_sequence_keep_each_sequence_exact() {
         )
         .expect("load the drafter");
         assert!(server.forks(), "{kind}: forks");
-        for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)] {
-            let (got, drafts) = batched(
-                &loaded,
-                sequences.clone(),
-                &|_| server.fork(),
-                budget,
-                join_every,
-            );
-            if budget == DraftBudget::Everything {
-                assert!(drafts.verified > 0, "{kind}: no draft was verified");
-                if kind == "dspark" {
-                    assert!(drafts.kept > 0, "the taught DSpark drafter kept nothing");
-                }
-            }
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(g, w, "{kind}, {budget:?}: sequence {i}");
-            }
+        let drafts = forks_keep_each_sequence_exact(&loaded, &sequences, &want, &*server, kind);
+        assert!(drafts.verified > 0, "{kind}: no draft was verified");
+        if kind == "dspark" {
+            assert!(drafts.kept > 0, "the taught DSpark drafter kept nothing");
         }
     }
+}
+
+/// Batches of `sequences`, each drafted for by a fork of `server`, joining two a step with
+/// every draft verified and one a step with the budget following the load: every
+/// sequence gets `want`, what plain decoding gives it alone. Returns the drafts of the
+/// batch that verified every one.
+fn forks_keep_each_sequence_exact(
+    loaded: &LoadedModel,
+    sequences: &[(Vec<u32>, GenerationConfig)],
+    want: &[(Vec<u32>, String)],
+    server: &dyn Drafter,
+    what: &str,
+) -> Drafts {
+    let mut everything = None;
+    for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)] {
+        let (got, drafts) = batched(
+            loaded,
+            sequences.to_vec(),
+            &|_| server.fork(),
+            budget,
+            join_every,
+        );
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(g, w, "{what}, {budget:?}: sequence {i}");
+        }
+        everything.get_or_insert(drafts);
+    }
+    everything.expect("a batch with every draft verified")
 }
 
 /// A draft model (`--drafter model:DIR`) loaded once and forked for each sequence, as the
@@ -522,30 +537,17 @@ fn a_draft_model_forked_per_sequence_keeps_each_sequence_exact() {
             };
             let server = common::load_draft_model(&loaded, draft_dir, &options);
             assert!(server.forks(), "{name}: a draft model forks");
-            for (budget, join_every) in [(DraftBudget::Everything, 2), (DraftBudget::FollowLoad, 1)]
-            {
-                let (got, drafts) = batched(
-                    &loaded,
-                    sequences.clone(),
-                    &|_| server.fork(),
-                    budget,
-                    join_every,
+            let what = format!("{name}, twin {twin}");
+            let drafts =
+                forks_keep_each_sequence_exact(&loaded, &sequences, &want, &*server, &what);
+            assert!(drafts.verified > 0, "{what}: no draft was verified");
+            if twin {
+                assert_eq!(
+                    drafts.kept, drafts.verified,
+                    "{what}: the twin is always right"
                 );
-                let what = format!("{name}, twin {twin}, {budget:?}");
-                if budget == DraftBudget::Everything {
-                    assert!(drafts.verified > 0, "{what}: no draft was verified");
-                    if twin {
-                        assert_eq!(
-                            drafts.kept, drafts.verified,
-                            "{what}: the twin is always right"
-                        );
-                    } else {
-                        assert!(drafts.kept < drafts.verified, "{what}: nothing rejected");
-                    }
-                }
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(g, w, "{what}: sequence {i}");
-                }
+            } else {
+                assert!(drafts.kept < drafts.verified, "{what}: nothing rejected");
             }
         }
     }

@@ -137,51 +137,43 @@ static void need_f32(const array& a, const char* op) {
   }
 }
 
-static void no_gpu(const char* op) {
-  std::ostringstream msg;
-  msg << "[" << op << "] runs on the CPU only";
-  throw std::runtime_error(msg.str());
-}
-
-class SoftmaxF32 : public mlx::core::UnaryPrimitive {
+// An f32 primitive that runs on the CPU only, its output shaped as its first input;
+// `Op` gives its name, the task that computes it, and its gradients.
+template <typename Op>
+class CpuF32 : public mlx::core::UnaryPrimitive {
  public:
-  explicit SoftmaxF32(Stream stream) : UnaryPrimitive(stream) {}
+  explicit CpuF32(Stream stream) : UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    const array& in = inputs[0];
     out.set_data(mlx::core::allocator::malloc(out.nbytes()));
     auto& encoder = mlx::core::cpu::get_command_encoder(stream());
-    encoder.set_input_array(in);
+    for (const array& in : inputs) {
+      encoder.set_input_array(in);
+    }
     encoder.set_output_array(out);
-    const int64_t width = in.ndim() == 0 ? 1 : in.shape().back();
-    const int64_t rows = width == 0 ? 0 : static_cast<int64_t>(in.size()) / width;
-    encoder.dispatch([src = in.data<float>(), dst = out.data<float>(), rows, width]() {
-      softmax_rows(src, dst, rows, width);
-    });
+    encoder.dispatch(Op::task(inputs, out));
   }
 
   void eval_gpu(const std::vector<array>&, array&) override {
-    no_gpu(name());
+    std::ostringstream msg;
+    msg << "[" << name() << "] runs on the CPU only";
+    throw std::runtime_error(msg.str());
   }
 
   std::vector<array> vjp(
-      const std::vector<array>&,
+      const std::vector<array>& primals,
       const std::vector<array>& cotangents,
-      const std::vector<int>&,
+      const std::vector<int>& argnums,
       const std::vector<array>& outputs) override {
-    const array& y = outputs[0];
-    const array& g = cotangents[0];
-    auto s = stream();
-    auto dot = mlx::core::sum(mlx::core::multiply(g, y, s), -1, true, s);
-    return {mlx::core::multiply(y, mlx::core::subtract(g, dot, s), s)};
+    return Op::vjp(primals, cotangents[0], argnums, outputs[0], stream());
   }
 
   const char* name() const override {
-    return "DspecSoftmaxF32";
+    return Op::name;
   }
 
   bool is_equivalent(const mlx::core::Primitive& other) const override {
-    return dynamic_cast<const SoftmaxF32*>(&other) != nullptr;
+    return dynamic_cast<const CpuF32*>(&other) != nullptr;
   }
 
   std::vector<mlx::core::Shape> output_shapes(const std::vector<array>& inputs) override {
@@ -189,38 +181,50 @@ class SoftmaxF32 : public mlx::core::UnaryPrimitive {
   }
 };
 
-class SiluProductF32 : public mlx::core::UnaryPrimitive {
- public:
-  explicit SiluProductF32(Stream stream) : UnaryPrimitive(stream) {}
+struct Softmax {
+  static constexpr const char* name = "DspecSoftmaxF32";
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    const array& gate = inputs[0];
-    const array& up = inputs[1];
-    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
-    auto& encoder = mlx::core::cpu::get_command_encoder(stream());
-    encoder.set_input_array(gate);
-    encoder.set_input_array(up);
-    encoder.set_output_array(out);
-    encoder.dispatch([g = gate.data<float>(),
-                      u = up.data<float>(),
-                      dst = out.data<float>(),
-                      n = static_cast<int64_t>(out.size())]() { silu_product(g, u, dst, n); });
+  static auto task(const std::vector<array>& inputs, array& out) {
+    const array& in = inputs[0];
+    const int64_t width = in.ndim() == 0 ? 1 : in.shape().back();
+    const int64_t rows = width == 0 ? 0 : static_cast<int64_t>(in.size()) / width;
+    return [src = in.data<float>(), dst = out.data<float>(), rows, width]() {
+      softmax_rows(src, dst, rows, width);
+    };
   }
 
-  void eval_gpu(const std::vector<array>&, array&) override {
-    no_gpu(name());
-  }
-
-  std::vector<array> vjp(
-      const std::vector<array>& primals,
-      const std::vector<array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<array>&) override {
+  // y · (g − Σ g·y) over the last axis.
+  static std::vector<array> vjp(
+      const std::vector<array>&,
+      const array& cotangent,
+      const std::vector<int>&,
+      const array& y,
+      Stream s) {
     namespace mx = mlx::core;
-    auto s = stream();
+    auto dot = mx::sum(mx::multiply(cotangent, y, s), -1, true, s);
+    return {mx::multiply(y, mx::subtract(cotangent, dot, s), s)};
+  }
+};
+
+struct SiluProduct {
+  static constexpr const char* name = "DspecSiluProductF32";
+
+  static auto task(const std::vector<array>& inputs, array& out) {
+    return [g = inputs[0].data<float>(),
+            u = inputs[1].data<float>(),
+            dst = out.data<float>(),
+            n = static_cast<int64_t>(out.size())]() { silu_product(g, u, dst, n); };
+  }
+
+  static std::vector<array> vjp(
+      const std::vector<array>& primals,
+      const array& cotangent,
+      const std::vector<int>& argnums,
+      const array&,
+      Stream s) {
+    namespace mx = mlx::core;
     const array& gate = primals[0];
     const array& up = primals[1];
-    const array& c = cotangents[0];
     auto sig = mx::sigmoid(gate, s);
     std::vector<array> grads;
     for (int arg : argnums) {
@@ -229,33 +233,44 @@ class SiluProductF32 : public mlx::core::UnaryPrimitive {
         auto one = mx::array(1.0f, gate.dtype());
         auto slope = mx::multiply(
             sig, mx::add(one, mx::multiply(gate, mx::subtract(one, sig, s), s), s), s);
-        grads.push_back(mx::multiply(mx::multiply(c, up, s), slope, s));
+        grads.push_back(mx::multiply(mx::multiply(cotangent, up, s), slope, s));
       } else {
-        grads.push_back(mx::multiply(c, mx::multiply(gate, sig, s), s));
+        grads.push_back(mx::multiply(cotangent, mx::multiply(gate, sig, s), s));
       }
     }
     return grads;
   }
-
-  const char* name() const override {
-    return "DspecSiluProductF32";
-  }
-
-  bool is_equivalent(const mlx::core::Primitive& other) const override {
-    return dynamic_cast<const SiluProductF32*>(&other) != nullptr;
-  }
-
-  std::vector<mlx::core::Shape> output_shapes(const std::vector<array>& inputs) override {
-    return {inputs[0].shape()};
-  }
 };
 
-// Errors go back as text in `error` (at most `error_len` bytes with the NUL), so the
-// caller need not share mlx-c's error handler.
-template <typename F>
-static int guarded(char* error, size_t error_len, F&& build) {
+// Builds `Op` over `inputs` (f32, one shape) into `res`. Errors go back as text in
+// `error` (at most `error_len` bytes with the NUL), so the caller need not share mlx-c's
+// error handler.
+template <typename Op>
+static int build(
+    mlx_array* res,
+    std::vector<mlx_array> inputs,
+    const mlx_stream stream,
+    char* error,
+    size_t error_len) {
   try {
-    build();
+    auto s = mlx_stream_get_(stream);
+    std::vector<array> contiguous;
+    for (mlx_array input : inputs) {
+      const array& a = mlx_array_get_(input);
+      need_f32(a, Op::name);
+      if (!contiguous.empty() && a.shape() != contiguous[0].shape()) {
+        throw std::invalid_argument(std::string("[") + Op::name + "] inputs differ in shape");
+      }
+      contiguous.push_back(mlx::core::contiguous(a, false, s));
+    }
+    auto shape = contiguous[0].shape();
+    mlx_array_set_(
+        *res,
+        array(
+            std::move(shape),
+            mlx::core::float32,
+            std::make_shared<CpuF32<Op>>(s),
+            std::move(contiguous)));
     return 0;
   } catch (const std::exception& e) {
     if (error != nullptr && error_len > 0) {
@@ -274,19 +289,7 @@ extern "C" int dspec_softmax_f32(
     const mlx_stream stream,
     char* error,
     size_t error_len) {
-  return dspec::guarded(error, error_len, [&] {
-    auto s = mlx_stream_get_(stream);
-    const auto& a = mlx_array_get_(x);
-    dspec::need_f32(a, "dspec_softmax_f32");
-    auto in = mlx::core::contiguous(a, false, s);
-    mlx_array_set_(
-        *res,
-        mlx::core::array(
-            in.shape(),
-            mlx::core::float32,
-            std::make_shared<dspec::SoftmaxF32>(s),
-            {in}));
-  });
+  return dspec::build<dspec::Softmax>(res, {x}, stream, error, error_len);
 }
 
 extern "C" int dspec_silu_product_f32(
@@ -296,21 +299,5 @@ extern "C" int dspec_silu_product_f32(
     const mlx_stream stream,
     char* error,
     size_t error_len) {
-  return dspec::guarded(error, error_len, [&] {
-    auto s = mlx_stream_get_(stream);
-    const auto& g = mlx_array_get_(gate);
-    const auto& u = mlx_array_get_(up);
-    dspec::need_f32(g, "dspec_silu_product_f32");
-    dspec::need_f32(u, "dspec_silu_product_f32");
-    if (g.shape() != u.shape()) {
-      throw std::invalid_argument("[dspec_silu_product_f32] gate and up differ in shape");
-    }
-    mlx_array_set_(
-        *res,
-        mlx::core::array(
-            g.shape(),
-            mlx::core::float32,
-            std::make_shared<dspec::SiluProductF32>(s),
-            {mlx::core::contiguous(g, false, s), mlx::core::contiguous(u, false, s)}));
-  });
+  return dspec::build<dspec::SiluProduct>(res, {gate, up}, stream, error, error_len);
 }
